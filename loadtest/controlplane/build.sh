@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Builds the local control plane (etcd, kube-apiserver, kube-controller-manager)
+# from the official Go modules, once per version, into a cache outside the repo.
+#
+#   loadtest/controlplane/build.sh        # build what is missing, print the bin dir
+#
+# The cache directory is $TPO_CONTROLPLANE_CACHE, else $XDG_CACHE_HOME/traffic-policy-operator,
+# else ~/.cache/traffic-policy-operator. Progress goes to stderr; the bin dir is the only stdout line.
+set -euo pipefail
+
+KUBE_VERSION=v1.36.3
+ETCD_VERSION=v3.6.16
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cache_root=${TPO_CONTROLPLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/traffic-policy-operator}
+bin_dir="$cache_root/controlplane/kubernetes-${KUBE_VERSION}_etcd-${ETCD_VERSION}"
+
+log() { echo "[controlplane-build] $*" >&2; }
+fail() { echo "controlplane-build: error: $*" >&2; exit 1; }
+
+complete() {
+  [[ -x "$bin_dir/etcd" && -x "$bin_dir/kube-apiserver" && -x "$bin_dir/kube-controller-manager" ]]
+}
+
+if complete; then
+  echo "$bin_dir"
+  exit 0
+fi
+
+command -v go >/dev/null 2>&1 || fail "the Go toolchain ('go') is not on PATH; it is needed once to build the control plane into $bin_dir"
+command -v flock >/dev/null 2>&1 || fail "'flock' (util-linux) is not on PATH"
+
+mkdir -p "$bin_dir"
+# Several test processes may start at once on a cold machine: build only once.
+exec 9>"$bin_dir/.build.lock"
+flock 9
+if complete; then
+  echo "$bin_dir"
+  exit 0
+fi
+
+minor=${KUBE_VERSION#v1.}; minor=${minor%%.*}
+build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+version_ldflags=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  version_ldflags+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+  version_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
+done
+
+export CGO_ENABLED=0 GOFLAGS=-mod=mod
+
+build() { # name module_dir package ldflags
+  local name=$1 dir=$2 pkg=$3 ldflags=$4
+  if [[ -x "$bin_dir/$name" ]]; then
+    log "$name: cached"
+    return
+  fi
+  log "$name: building $pkg (takes a few minutes on a cold machine)..."
+  local start=$SECONDS tmp="$bin_dir/.$name.tmp"
+  if ! (cd "$here/$dir" && go build -trimpath -tags selinux,notest -ldflags "-s -w $ldflags" -o "$tmp" "$pkg") >&2; then
+    rm -f "$tmp"
+    fail "building $name failed (see the go output above)"
+  fi
+  mv "$tmp" "$bin_dir/$name"
+  log "$name: built in $((SECONDS - start)) s"
+}
+
+log "building the control plane into $bin_dir"
+build etcd etcd . "-X go.etcd.io/etcd/api/v3/version.GitSHA=${ETCD_VERSION}"
+build kube-apiserver kubernetes k8s.io/kubernetes/cmd/kube-apiserver "$version_ldflags"
+build kube-controller-manager kubernetes k8s.io/kubernetes/cmd/kube-controller-manager "$version_ldflags"
+log "done"
+echo "$bin_dir"

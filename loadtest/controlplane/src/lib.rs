@@ -1,0 +1,390 @@
+//! A real Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager) run as
+//! local processes for integration tests, e2e tests, the load test and the demo.
+//!
+//! The binaries are built once from the official Go modules by `build.sh` next to this
+//! crate and cached outside the repository. Each [`ControlPlane`] lives in a fresh
+//! directory with its own certificates, ports and logs, and is torn down on drop; its
+//! processes also die with the test process, even on `kill -9` (see [`process`]).
+//!
+//! ```no_run
+//! let cp = controlplane::ControlPlane::shared();  // one per test process
+//! # async fn f(cp: &controlplane::ControlPlane) -> anyhow::Result<()> {
+//! let client = cp.client().await?;                  // admin (system:masters)
+//! # Ok(()) }
+//! ```
+
+mod certs;
+mod identity;
+pub mod process;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use base64::Engine;
+
+pub use identity::{Grant, Identity};
+use process::Process;
+
+/// The Kubernetes version the test bed runs; `build.sh` pins the same.
+pub const KUBERNETES_VERSION: &str = "v1.36.3";
+
+const READY_TIMEOUT: Duration = Duration::from_secs(90);
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// What to start. `Config::default()` is what the tests use.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Extra kube-apiserver flags, e.g. `--max-requests-inflight=800`.
+    pub apiserver_args: Vec<String>,
+    /// Feature gates for kube-apiserver, e.g. `SomeGate=true`.
+    pub feature_gates: Vec<String>,
+    /// Start kube-controller-manager (garbage collector and namespace controllers).
+    pub controller_manager: bool,
+    /// A fixed apiserver port; a free one when `None`.
+    pub apiserver_port: Option<u16>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self { apiserver_args: Vec::new(), feature_gates: Vec::new(), controller_manager: true, apiserver_port: None }
+    }
+}
+
+struct Ports {
+    etcd_client: u16,
+    etcd_peer: u16,
+    apiserver: u16,
+    controller_manager: u16,
+}
+
+pub struct ControlPlane {
+    config: Config,
+    bin_dir: PathBuf,
+    dir: PathBuf,
+    _temp: tempfile::TempDir,
+    ports: Ports,
+    admin_token: String,
+    ca_pem: String,
+    etcd: Mutex<Option<Process>>,
+    apiserver: Mutex<Option<Process>>,
+    controller_manager: Mutex<Option<Process>>,
+}
+
+impl ControlPlane {
+    /// Builds the binaries if needed, then starts every component and waits until ready.
+    pub fn start(config: Config) -> Result<Self> {
+        let bin_dir = ensure_binaries()?;
+        let temp = tempfile::Builder::new().prefix("tpo-controlplane-").tempdir().context("create a temp dir")?;
+        let dir = temp.path().to_owned();
+        let pki = certs::generate(&dir)?;
+        let admin_token = random_token()?;
+        std::fs::write(dir.join("tokens.csv"), format!("{admin_token},admin,admin-uid,\"system:masters\"\n"))?;
+        let ports = Ports {
+            etcd_client: free_port()?,
+            etcd_peer: free_port()?,
+            apiserver: match config.apiserver_port {
+                Some(port) => port,
+                None => free_port()?,
+            },
+            controller_manager: free_port()?,
+        };
+        let cp = Self {
+            config,
+            bin_dir,
+            dir,
+            _temp: temp,
+            ports,
+            admin_token,
+            ca_pem: pki.ca_pem,
+            etcd: Mutex::new(None),
+            apiserver: Mutex::new(None),
+            controller_manager: Mutex::new(None),
+        };
+        std::fs::write(cp.kubeconfig_path(), cp.kubeconfig_yaml(&cp.admin_token, "admin"))?;
+        cp.start_etcd()?;
+        cp.start_apiserver()?;
+        if cp.config.controller_manager {
+            cp.start_controller_manager()?;
+        }
+        Ok(cp)
+    }
+
+    /// One control plane per test process, started on first use and torn down at exit.
+    /// Tests share it and keep apart by using their own namespaces.
+    pub fn shared() -> &'static ControlPlane {
+        static SHARED: OnceLock<ControlPlane> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let cp = ControlPlane::start(Config::default()).unwrap_or_else(|e| panic!("{e:#}"));
+            extern "C" fn teardown() {
+                if let Some(cp) = SHARED.get() {
+                    cp.stop_all();
+                    let _ = std::fs::remove_dir_all(&cp.dir);
+                }
+            }
+            // SAFETY: registering a plain extern "C" function with no captured state.
+            unsafe { libc::atexit(teardown) };
+            cp
+        })
+    }
+
+    /// The directory holding certificates, data and logs.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// An admin kubeconfig (group system:masters).
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.dir.join("admin.kubeconfig")
+    }
+
+    pub fn server_url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.ports.apiserver)
+    }
+
+    pub fn log_path(&self, component: &str) -> PathBuf {
+        self.dir.join(format!("{component}.log"))
+    }
+
+    /// A fresh admin client. Clients are tied to the tokio runtime that made them, so each
+    /// test asks for its own.
+    pub async fn client(&self) -> Result<kube::Client> {
+        self.client_for_token(&self.admin_token, "admin").await
+    }
+
+    async fn client_for_token(&self, token: &str, user: &str) -> Result<kube::Client> {
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_yaml(token, user))?;
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default()).await?;
+        Ok(kube::Client::try_from(config)?)
+    }
+
+    fn kubeconfig_yaml(&self, token: &str, user: &str) -> String {
+        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    \
+             certificate-authority-data: {ca}\nusers:\n- name: {user}\n  user:\n    token: {token}\ncontexts:\n\
+             - name: local\n  context:\n    cluster: local\n    user: {user}\ncurrent-context: local\n",
+            server = self.server_url()
+        )
+    }
+
+    pub fn start_etcd(&self) -> Result<()> {
+        let peer = format!("http://127.0.0.1:{}", self.ports.etcd_peer);
+        let client = format!("http://127.0.0.1:{}", self.ports.etcd_client);
+        let args = vec![
+            "--name=default".to_string(),
+            format!("--data-dir={}", self.dir.join("etcd-data").display()),
+            format!("--listen-client-urls={client}"),
+            format!("--advertise-client-urls={client}"),
+            format!("--listen-peer-urls={peer}"),
+            format!("--initial-advertise-peer-urls={peer}"),
+            format!("--initial-cluster=default={peer}"),
+            "--unsafe-no-fsync".to_string(),
+            "--log-level=warn".to_string(),
+        ];
+        let mut slot = lock(&self.etcd);
+        let mut etcd = self.launch("etcd", &[self.ports.etcd_client, self.ports.etcd_peer], &args)?;
+        wait_until(&mut etcd, || http_get_plain(self.ports.etcd_client, "/health").is_ok_and(|b| b.contains("true")))?;
+        *slot = Some(etcd);
+        Ok(())
+    }
+
+    pub fn start_apiserver(&self) -> Result<()> {
+        let d = |name: &str| self.dir.join(name).display().to_string();
+        let mut args = vec![
+            format!("--etcd-servers=http://127.0.0.1:{}", self.ports.etcd_client),
+            "--bind-address=127.0.0.1".to_string(),
+            "--advertise-address=127.0.0.1".to_string(),
+            format!("--secure-port={}", self.ports.apiserver),
+            format!("--tls-cert-file={}", d("apiserver.crt")),
+            format!("--tls-private-key-file={}", d("apiserver.key")),
+            format!("--cert-dir={}", d("apiserver-certs")),
+            format!("--token-auth-file={}", d("tokens.csv")),
+            "--authorization-mode=RBAC".to_string(),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".to_string(),
+            format!("--service-account-key-file={}", d("sa.pub")),
+            format!("--service-account-signing-key-file={}", d("sa.key")),
+            "--service-cluster-ip-range=10.0.0.0/24".to_string(),
+            // No token controller runs, so ServiceAccount admission would reject pods.
+            "--disable-admission-plugins=ServiceAccount".to_string(),
+            "--profiling=false".to_string(),
+        ];
+        if !self.config.feature_gates.is_empty() {
+            args.push(format!("--feature-gates={}", self.config.feature_gates.join(",")));
+        }
+        args.extend(self.config.apiserver_args.iter().cloned());
+        let mut slot = lock(&self.apiserver);
+        let mut apiserver = self.launch("kube-apiserver", &[self.ports.apiserver], &args)?;
+        let url = self.server_url();
+        wait_until(&mut apiserver, || {
+            self.with_runtime(|| async { self.client().await?.request_text(get("/readyz")?).await.map_err(Into::into) })
+                .is_ok_and(|body| body.trim() == "ok")
+        })
+        .map_err(|e| anyhow!("{e:#} [server {url}]"))?;
+        *slot = Some(apiserver);
+        Ok(())
+    }
+
+    fn start_controller_manager(&self) -> Result<()> {
+        let kubeconfig = self.kubeconfig_path().display().to_string();
+        let args = vec![
+            format!("--kubeconfig={kubeconfig}"),
+            format!("--authentication-kubeconfig={kubeconfig}"),
+            format!("--authorization-kubeconfig={kubeconfig}"),
+            "--controllers=garbage-collector-controller,namespace-controller".to_string(),
+            "--leader-elect=false".to_string(),
+            "--bind-address=127.0.0.1".to_string(),
+            format!("--secure-port={}", self.ports.controller_manager),
+            format!("--cert-dir={}", self.dir.join("controller-manager-certs").display()),
+        ];
+        let mut slot = lock(&self.controller_manager);
+        let mut kcm = self.launch("kube-controller-manager", &[self.ports.controller_manager], &args)?;
+        let port = self.ports.controller_manager;
+        wait_until(&mut kcm, || self.with_runtime(|| insecure_healthz(port)).is_ok_and(|b| b.trim() == "ok"))?;
+        *slot = Some(kcm);
+        Ok(())
+    }
+
+    /// Stops kube-apiserver (SIGTERM, then SIGKILL). Its port stays reserved for a restart.
+    pub fn stop_apiserver(&self) {
+        if let Some(mut p) = lock(&self.apiserver).take() {
+            p.stop(STOP_GRACE);
+        }
+    }
+
+    pub fn restart_apiserver(&self) -> Result<()> {
+        self.stop_apiserver();
+        self.start_apiserver()
+    }
+
+    pub fn stop_etcd(&self) {
+        if let Some(mut p) = lock(&self.etcd).take() {
+            p.stop(STOP_GRACE);
+        }
+    }
+
+    /// PIDs of the running components, for checks that nothing is left behind.
+    pub fn pids(&self) -> Vec<(&'static str, u32)> {
+        [&self.etcd, &self.apiserver, &self.controller_manager]
+            .iter()
+            .filter_map(|slot| lock(slot).as_ref().map(|p| (p.name, p.pid())))
+            .collect()
+    }
+
+    pub fn stop_all(&self) {
+        for slot in [&self.controller_manager, &self.apiserver, &self.etcd] {
+            if let Some(mut p) = lock(slot).take() {
+                p.stop(STOP_GRACE);
+            }
+        }
+    }
+
+    fn launch(&self, name: &'static str, ports: &[u16], args: &[String]) -> Result<Process> {
+        let log = self.log_path(name);
+        for &port in ports {
+            if TcpListener::bind(("127.0.0.1", port)).is_err() {
+                bail!("{name}: port 127.0.0.1:{port} is already in use (log: {})", log.display());
+            }
+        }
+        Process::start(name, &self.bin_dir.join(name), args, &log)
+    }
+
+    /// Runs async readiness probes from sync code, on a helper thread so that callers may
+    /// already be inside a tokio runtime.
+    fn with_runtime<T: Send, F: Future<Output = Result<T>>>(&self, make: impl FnOnce() -> F + Send) -> Result<T> {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), make()).await? })
+            })
+            .join()
+            .map_err(|_| anyhow!("readiness probe panicked"))?
+        })
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+/// Runs `loadtest/controlplane/build.sh`, which builds whatever is missing and prints the
+/// bin dir. `TPO_CONTROLPLANE_BIN_DIR` points at prebuilt binaries instead.
+pub fn ensure_binaries() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("TPO_CONTROLPLANE_BIN_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    static BIN_DIR: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    BIN_DIR
+        .get_or_init(|| {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("build.sh");
+            let out = std::process::Command::new("bash")
+                .arg(&script)
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .map_err(|e| format!("controlplane: cannot run {}: {e}", script.display()))?;
+            if !out.status.success() {
+                return Err("controlplane: building the control plane failed (see the error above)".to_string());
+            }
+            Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
+/// Polls `ready` every 100 ms until it holds, the process exits, or the deadline passes.
+fn wait_until(process: &mut Process, mut ready: impl FnMut() -> bool) -> Result<()> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Some(status) = process.exited() {
+            return Err(process.failure(&format!("exited during start-up ({status})")));
+        }
+        if ready() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(process.failure(&format!("not ready after {} s", READY_TIMEOUT.as_secs())));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn get(path: &str) -> Result<http::Request<Vec<u8>>> {
+    Ok(http::Request::get(path).body(Vec::new())?)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port())
+}
+
+fn random_token() -> Result<String> {
+    let mut bytes = [0u8; 16];
+    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A bare HTTP/1.0 GET, enough for etcd's plain-HTTP /health.
+fn http_get_plain(port: u16, path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response)
+}
+
+/// kube-controller-manager serves /healthz with a self-signed certificate.
+async fn insecure_healthz(port: u16) -> Result<String> {
+    let mut config = kube::Config::new(format!("https://127.0.0.1:{port}").parse()?);
+    config.accept_invalid_certs = true;
+    Ok(kube::Client::try_from(config)?.request_text(get("/healthz")?).await?)
+}

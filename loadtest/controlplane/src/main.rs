@@ -1,0 +1,72 @@
+//! `cargo run -p controlplane`: start a local control plane, write a kubeconfig, print how
+//! to use it, and stop everything on Ctrl-C.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use controlplane::{Config, ControlPlane, KUBERNETES_VERSION};
+
+#[derive(Parser)]
+#[command(about = "Run a local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager)")]
+struct Args {
+    /// Where to write the admin kubeconfig.
+    #[arg(long, default_value = ".controlplane/kubeconfig")]
+    kubeconfig: PathBuf,
+    /// The apiserver port on 127.0.0.1 (a free one by default).
+    #[arg(long)]
+    port: Option<u16>,
+    /// Feature gates for kube-apiserver, comma-separated (e.g. SomeGate=true).
+    #[arg(long, value_delimiter = ',')]
+    feature_gates: Vec<String>,
+    /// An extra kube-apiserver flag; repeatable (e.g. --apiserver-arg=--max-requests-inflight=800).
+    #[arg(long, allow_hyphen_values = true)]
+    apiserver_arg: Vec<String>,
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = run(args) {
+        eprintln!("controlplane: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let config = Config {
+        apiserver_args: args.apiserver_arg,
+        feature_gates: args.feature_gates,
+        controller_manager: true,
+        apiserver_port: args.port,
+    };
+    let cp = ControlPlane::start(config)?;
+    if let Some(parent) = args.kubeconfig.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::copy(cp.kubeconfig_path(), &args.kubeconfig)?;
+    let kubeconfig = std::path::absolute(&args.kubeconfig)?;
+    println!("Kubernetes {KUBERNETES_VERSION} control plane ready at {} in {:.1} s", cp.server_url(), started.elapsed().as_secs_f64());
+    println!("  logs and data: {}", cp.dir().display());
+    println!("Use it from another shell:");
+    println!("  export KUBECONFIG={}", kubeconfig.display());
+    println!("  kubectl get ns");
+    println!("Press Ctrl-C to stop everything.");
+    wait_for_ctrl_c()?;
+    println!("stopping...");
+    drop(cp);
+    println!("stopped");
+    Ok(())
+}
+
+fn wait_for_ctrl_c() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r,
+            _ = term.recv() => Ok(()),
+        }
+    })?;
+    Ok(())
+}

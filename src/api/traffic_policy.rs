@@ -1,0 +1,207 @@
+use std::collections::BTreeMap;
+
+use kube::CustomResource;
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Serialize};
+
+/// Declares the network access and the gateway rate limit of one application.
+///
+/// The operator turns it into a NetworkPolicy and a rate-limit ConfigMap of the same name.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "trafficpolicy.dev",
+    version = "v1",
+    kind = "ApplicationTrafficPolicy",
+    plural = "applicationtrafficpolicies",
+    shortname = "atp",
+    namespaced,
+    status = "ApplicationTrafficPolicyStatus",
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplicationTrafficPolicySpec {
+    /// Selects the application's pods: the policy applies to pods carrying all these labels.
+    pub application_selector: ApplicationSelector,
+    /// Traffic allowed into the application. No rules means no ingress is allowed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub ingress_rules: Vec<IngressRule>,
+    /// Traffic allowed out of the application. No rules means no egress is allowed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub egress_rules: Vec<EgressRule>,
+    /// The gateway's request rate limit for the application. Absent means unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimit>,
+}
+
+/// Selects pods by their labels.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplicationSelector {
+    /// Labels the application's pods carry (1 to 16 entries); values are Kubernetes label values.
+    #[schemars(schema_with = "match_labels_schema")]
+    pub match_labels: BTreeMap<String, String>,
+}
+
+/// One set of allowed sources and ports.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IngressRule {
+    /// Sources allowed by this rule. Empty means from anywhere.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub from: Vec<Peer>,
+    /// Ports allowed by this rule. Empty means all ports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub ports: Vec<PortRule>,
+}
+
+/// One set of allowed destinations and ports.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EgressRule {
+    /// Destinations allowed by this rule. Empty means to anywhere.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub to: Vec<Peer>,
+    /// Ports allowed by this rule. Empty means all ports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub ports: Vec<PortRule>,
+}
+
+/// A network peer.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Peer {
+    /// An IP address range.
+    pub ip_block: IpBlock,
+}
+
+/// An IP range, minus some sub-ranges.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "!has(self.except) || !isCIDR(self.cidr) || self.except.all(e, !isCIDR(e) || (cidr(self.cidr).containsCIDR(e) && cidr(e).prefixLength() > cidr(self.cidr).prefixLength()))",
+    "message": "every except entry must be a CIDR strictly inside cidr",
+    "fieldPath": ".except"
+}]))]
+pub struct IpBlock {
+    /// The range, as a CIDR such as 10.0.0.0/8 or fd00::/8.
+    #[schemars(schema_with = "cidr_schema")]
+    pub cidr: String,
+    /// Sub-ranges of cidr to exclude, as CIDRs inside cidr.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(schema_with = "cidr_schema"))]
+    pub except: Vec<String>,
+}
+
+/// A port and its protocol.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PortRule {
+    /// The protocol: TCP, UDP, SCTP, or HTTP (enforced as TCP by the NetworkPolicy).
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// The port number, 1 to 65535.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+}
+
+/// A transport protocol, or HTTP.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Protocol {
+    #[default]
+    #[serde(rename = "TCP")]
+    Tcp,
+    #[serde(rename = "UDP")]
+    Udp,
+    #[serde(rename = "SCTP")]
+    Sctp,
+    #[serde(rename = "HTTP")]
+    Http,
+}
+
+/// A token-bucket rate limit.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RateLimit {
+    /// Sustained requests per second, at least 1.
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub requests_per_second: i32,
+    /// Extra requests allowed in a burst above the sustained rate, at least 0.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 1_000_000))]
+    pub burst: i32,
+}
+
+/// What the operator last did with the policy.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplicationTrafficPolicyStatus {
+    /// The metadata.generation that the conditions describe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The policy's conditions; `Ready` says whether its objects are in place.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub conditions: Vec<Condition>,
+}
+
+/// A status condition, as in metav1.Condition.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    /// The condition's type, e.g. Ready.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// True, False or Unknown.
+    pub status: ConditionStatus,
+    /// A CamelCase reason for the status.
+    pub reason: String,
+    /// A human-readable explanation.
+    pub message: String,
+    /// When the status last changed (RFC 3339).
+    pub last_transition_time: String,
+    /// The metadata.generation this condition was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// The status of a condition.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum ConditionStatus {
+    True,
+    False,
+    Unknown,
+}
+
+fn cidr_schema(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "type": "string",
+        "description": "A CIDR such as 10.0.0.0/8 or fd00::/8.",
+        "maxLength": 43,
+        "x-kubernetes-validations": [{
+            "rule": "isCIDR(self)",
+            "message": "must be a CIDR such as 10.0.0.0/8 or fd00::/8"
+        }]
+    })
+}
+
+fn match_labels_schema(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "type": "object",
+        "description": "Labels the application's pods carry (1 to 16 entries); values are Kubernetes label values.",
+        "minProperties": 1,
+        "maxProperties": 16,
+        "additionalProperties": {
+            "type": "string",
+            "maxLength": 63,
+            "pattern": "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+        }
+    })
+}

@@ -1,0 +1,42 @@
+//! Errors of a reconcile, with their retry class and a bounded metric label.
+
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The spec can never be applied as written (the API server refused it as invalid).
+    #[error("invalid spec: {0}")]
+    InvalidSpec(String),
+    /// An API call failed; it may succeed on retry.
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// An API call did not answer in time.
+    #[error("API call timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A fixed label for metrics: never a message or an object name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidSpec(_) => "invalid_spec",
+            Self::Timeout(_) => "timeout",
+            Self::Kube(kube::Error::Api(status)) => match status.code {
+                403 => "forbidden",
+                404 => "not_found",
+                409 => "conflict",
+                429 => "throttled",
+                code if code >= 500 => "server_error",
+                _ => "client_error",
+            },
+            Self::Kube(_) => "transport",
+        }
+    }
+
+    /// Terminal errors are not retried with backoff; the object waits for a new spec.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Self::InvalidSpec(_))
+    }
+}

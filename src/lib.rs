@@ -1,0 +1,16 @@
+//! traffic-policy-operator: turns `ApplicationTrafficPolicy` objects into NetworkPolicies
+//! and gateway rate-limit ConfigMaps.
+//!
+//! The pipeline, one module per stage:
+//! - [`api`]: the custom resource types and their schema;
+//! - [`runtime`]: watch → trimmed cache → generation predicate → work queue → workers;
+//! - [`reconcile`]: the traffic-policy logic, desired objects from the spec (pure), then
+//!   apply, status and events;
+//! - [`telemetry`]: metrics, logs, and the admin server (`/livez`, `/readyz`, `/metrics`);
+//! - [`cli`]: flags and environment; `main.rs` only wires these together.
+
+pub mod api;
+pub mod error;
+pub mod reconcile;
+pub mod runtime;
+pub mod telemetry;

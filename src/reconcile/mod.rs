@@ -1,0 +1,3 @@
+//! The traffic-policy reconcile.
+pub mod desired;
+pub mod status;

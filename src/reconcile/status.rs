@@ -1,0 +1,122 @@
+//! Status from the outcome of a reconcile: pure, with the clock passed in.
+//!
+//! `lastTransitionTime` moves only when a condition's status changes, so a status that
+//! says the same thing compares equal and is not written again.
+
+use crate::api::{ApplicationTrafficPolicyStatus, Condition, ConditionStatus};
+
+pub const READY: &str = "Ready";
+
+/// What a reconcile concluded about a policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every child is in place.
+    Applied,
+    /// The spec can never succeed as written; retrying will not help.
+    InvalidSpec(String),
+    /// Applying failed for a reason that may pass (API errors, permissions).
+    ApplyFailed(String),
+}
+
+impl Outcome {
+    fn condition(&self) -> (ConditionStatus, &'static str, String) {
+        match self {
+            Self::Applied => (ConditionStatus::True, "Applied", "NetworkPolicy and rate-limit ConfigMap are in place".into()),
+            Self::InvalidSpec(message) => (ConditionStatus::False, "InvalidSpec", message.clone()),
+            Self::ApplyFailed(message) => (ConditionStatus::False, "ApplyFailed", message.clone()),
+        }
+    }
+}
+
+/// The status to hold after `outcome` for `generation`, given the current one.
+pub fn next_status(
+    current: Option<&ApplicationTrafficPolicyStatus>,
+    generation: Option<i64>,
+    outcome: &Outcome,
+    now_rfc3339: &str,
+) -> ApplicationTrafficPolicyStatus {
+    let (status, reason, message) = outcome.condition();
+    let previous = current.and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
+    let last_transition_time = match previous {
+        Some(p) if p.status == status => p.last_transition_time.clone(),
+        _ => now_rfc3339.to_string(),
+    };
+    let ready = Condition {
+        type_: READY.into(),
+        status,
+        reason: reason.into(),
+        message: truncate(&message, 1024),
+        last_transition_time,
+        observed_generation: generation,
+    };
+    // Keep conditions of other types (another writer's) as they are.
+    let mut conditions: Vec<Condition> =
+        current.map(|s| s.conditions.iter().filter(|c| c.type_ != READY).cloned().collect()).unwrap_or_default();
+    conditions.insert(0, ready);
+    ApplicationTrafficPolicyStatus { observed_generation: generation, conditions }
+}
+
+fn truncate(message: &str, max_chars: usize) -> String {
+    message.chars().take(max_chars).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T1: &str = "2026-01-01T00:00:00Z";
+    const T2: &str = "2026-01-01T00:05:00Z";
+
+    #[test]
+    fn first_status_is_stamped_now() {
+        let s = next_status(None, Some(1), &Outcome::Applied, T1);
+        assert_eq!(s.observed_generation, Some(1));
+        let ready = &s.conditions[0];
+        assert_eq!((ready.status, ready.reason.as_str(), ready.last_transition_time.as_str()), (ConditionStatus::True, "Applied", T1));
+    }
+
+    #[test]
+    fn same_status_keeps_transition_time_and_compares_equal() {
+        let first = next_status(None, Some(1), &Outcome::Applied, T1);
+        let again = next_status(Some(&first), Some(1), &Outcome::Applied, T2);
+        assert_eq!(again, first, "nothing changed, so nothing to write");
+    }
+
+    #[test]
+    fn new_generation_advances_observed_generation_but_not_transition_time() {
+        let first = next_status(None, Some(1), &Outcome::Applied, T1);
+        let next = next_status(Some(&first), Some(2), &Outcome::Applied, T2);
+        assert_eq!(next.observed_generation, Some(2));
+        assert_eq!(next.conditions[0].observed_generation, Some(2));
+        assert_eq!(next.conditions[0].last_transition_time, T1);
+    }
+
+    #[test]
+    fn status_change_moves_transition_time() {
+        let ok = next_status(None, Some(1), &Outcome::Applied, T1);
+        let bad = next_status(Some(&ok), Some(2), &Outcome::InvalidSpec("spec.x: bad".into()), T2);
+        let ready = &bad.conditions[0];
+        assert_eq!((ready.status, ready.reason.as_str(), ready.message.as_str()), (ConditionStatus::False, "InvalidSpec", "spec.x: bad"));
+        assert_eq!(ready.last_transition_time, T2);
+        // False -> False with another reason is not a transition.
+        let failed = next_status(Some(&bad), Some(2), &Outcome::ApplyFailed("forbidden".into()), "2026-01-01T00:09:00Z");
+        assert_eq!(failed.conditions[0].last_transition_time, T2);
+        assert_eq!(failed.conditions[0].reason, "ApplyFailed");
+    }
+
+    #[test]
+    fn other_conditions_are_kept() {
+        let mut current = next_status(None, Some(1), &Outcome::Applied, T1);
+        current.conditions.push(Condition {
+            type_: "Audited".into(),
+            status: ConditionStatus::Unknown,
+            reason: "Pending".into(),
+            message: String::new(),
+            last_transition_time: T1.into(),
+            observed_generation: None,
+        });
+        let next = next_status(Some(&current), Some(1), &Outcome::Applied, T2);
+        assert_eq!(next.conditions.len(), 2);
+        assert_eq!(next.conditions[1].type_, "Audited");
+    }
+}

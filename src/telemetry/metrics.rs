@@ -1,0 +1,147 @@
+//! Prometheus metrics, named after client-go's workqueue and controller-runtime's
+//! controller metrics so that existing dashboards and alerts apply.
+//!
+//! Labels are bounded: the controller name, a result, an error kind. Never an object or a
+//! namespace. Histograms are real histograms with buckets (the exporter would otherwise
+//! render summaries, which cannot be summed across replicas).
+
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Installs the global recorder and returns the handle that renders `/metrics`.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    // controller-runtime: workqueue durations 1e-8 s … 1e3 s in ×10 steps.
+    let queue_buckets: Vec<f64> = (-8..=3).map(|e| 10f64.powi(e)).collect();
+    let reconcile_buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Prefix("workqueue_".into()), &queue_buckets)?
+        .set_buckets_for_metric(Matcher::Full("controller_runtime_reconcile_time_seconds".into()), &reconcile_buckets)?
+        .install_recorder()?;
+    describe();
+    Ok(handle)
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_gauge!("workqueue_depth", "Current depth of the work queue.");
+    describe_counter!("workqueue_adds_total", "Keys added to the work queue.");
+    describe_histogram!("workqueue_queue_duration_seconds", "Time a key waits in the queue before a worker takes it.");
+    describe_histogram!("workqueue_work_duration_seconds", "Time a worker spends on a key.");
+    describe_counter!("workqueue_retries_total", "Keys re-queued with backoff after an error.");
+    describe_gauge!("workqueue_unfinished_work_seconds", "Seconds of work in progress not yet finished.");
+    describe_gauge!("workqueue_longest_running_processor_seconds", "Seconds the longest running worker has been busy.");
+    describe_gauge!("workqueue_oldest_item_age_seconds", "Age of the oldest key waiting in the queue.");
+    describe_counter!("controller_runtime_reconcile_total", "Reconciles by result.");
+    describe_counter!("controller_runtime_reconcile_errors_total", "Reconciles that failed, by error kind.");
+    describe_histogram!("controller_runtime_reconcile_time_seconds", "Duration of a reconcile.");
+    describe_gauge!("controller_runtime_active_workers", "Workers busy with a reconcile.");
+    describe_gauge!("controller_runtime_max_concurrent_reconciles", "Configured worker count.");
+    describe_gauge!("traffic_policy_cached_objects", "Objects held in the operator's cache, by resource.");
+    describe_gauge!("traffic_policy_cache_synced", "1 when the watch of a resource has completed its initial list.");
+}
+
+/// The `workqueue_*` family for one queue.
+#[derive(Clone)]
+pub struct QueueMetrics {
+    name: &'static str,
+}
+
+impl QueueMetrics {
+    pub fn new(name: &'static str) -> Self {
+        Self { name }
+    }
+
+    pub fn added(&self, depth: usize) {
+        counter!("workqueue_adds_total", "name" => self.name, "controller" => self.name).increment(1);
+        self.depth(depth);
+    }
+
+    pub fn handed_out(&self, waited: Duration, depth: usize) {
+        histogram!("workqueue_queue_duration_seconds", "name" => self.name, "controller" => self.name).record(waited);
+        self.depth(depth);
+    }
+
+    pub fn work_done(&self, took: Duration) {
+        histogram!("workqueue_work_duration_seconds", "name" => self.name, "controller" => self.name).record(took);
+    }
+
+    pub fn retry(&self) {
+        counter!("workqueue_retries_total", "name" => self.name, "controller" => self.name).increment(1);
+    }
+
+    pub fn set_running(&self, running: &[Duration], depth: usize) {
+        let unfinished: f64 = running.iter().map(Duration::as_secs_f64).sum();
+        let longest = running.iter().max().copied().unwrap_or_default();
+        gauge!("workqueue_unfinished_work_seconds", "name" => self.name, "controller" => self.name).set(unfinished);
+        gauge!("workqueue_longest_running_processor_seconds", "name" => self.name, "controller" => self.name)
+            .set(longest.as_secs_f64());
+        self.depth(depth);
+    }
+
+    pub fn set_oldest_item_age(&self, age: Duration) {
+        gauge!("workqueue_oldest_item_age_seconds", "name" => self.name, "controller" => self.name).set(age.as_secs_f64());
+    }
+
+    fn depth(&self, depth: usize) {
+        gauge!("workqueue_depth", "name" => self.name, "controller" => self.name).set(depth as f64);
+    }
+}
+
+/// The `controller_runtime_*` family for one controller.
+#[derive(Clone)]
+pub struct ControllerMetrics {
+    name: &'static str,
+}
+
+/// How a reconcile ended, as controller-runtime labels it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReconcileResult {
+    Success,
+    Error,
+    RequeueAfter,
+}
+
+impl ReconcileResult {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Success => "success",
+            Self::Error => "error",
+            Self::RequeueAfter => "requeue_after",
+        }
+    }
+}
+
+impl ControllerMetrics {
+    pub fn new(name: &'static str, workers: usize) -> Self {
+        gauge!("controller_runtime_max_concurrent_reconciles", "controller" => name).set(workers as f64);
+        gauge!("controller_runtime_active_workers", "controller" => name).set(0.0);
+        // Zero series exist from the start, so rate() and absent() behave.
+        for result in [ReconcileResult::Success, ReconcileResult::Error, ReconcileResult::RequeueAfter] {
+            counter!("controller_runtime_reconcile_total", "controller" => name, "result" => result.label()).absolute(0);
+        }
+        Self { name }
+    }
+
+    pub fn reconciled(&self, result: ReconcileResult, took: Duration, error_kind: Option<&'static str>) {
+        counter!("controller_runtime_reconcile_total", "controller" => self.name, "result" => result.label()).increment(1);
+        histogram!("controller_runtime_reconcile_time_seconds", "controller" => self.name).record(took);
+        if let Some(kind) = error_kind {
+            counter!("controller_runtime_reconcile_errors_total", "controller" => self.name, "kind" => kind).increment(1);
+        }
+    }
+
+    pub fn active_workers(&self, delta: f64) {
+        gauge!("controller_runtime_active_workers", "controller" => self.name).increment(delta);
+    }
+}
+
+/// Cache gauges, labelled by resource (a fixed set).
+pub fn set_cached_objects(resource: &'static str, count: usize) {
+    gauge!("traffic_policy_cached_objects", "resource" => resource).set(count as f64);
+}
+
+pub fn set_cache_synced(resource: &'static str, synced: bool) {
+    gauge!("traffic_policy_cache_synced", "resource" => resource).set(if synced { 1.0 } else { 0.0 });
+}
