@@ -10,7 +10,9 @@
 //! - [`cli`]: flags and environment; `main.rs` only wires these together.
 
 pub mod api;
+pub mod cli;
 pub mod error;
+pub mod manager;
 pub mod reconcile;
 pub mod runtime;
 pub mod telemetry;

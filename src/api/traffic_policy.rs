@@ -1,3 +1,4 @@
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use kube::CustomResource;
@@ -15,6 +16,7 @@ use serde::{Deserialize, Serialize};
     plural = "applicationtrafficpolicies",
     shortname = "atp",
     namespaced,
+    doc = "An application's allowed network traffic and gateway rate limit, turned into a NetworkPolicy and a rate-limit ConfigMap.",
     status = "ApplicationTrafficPolicyStatus",
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
@@ -92,12 +94,38 @@ pub struct Peer {
 }]))]
 pub struct IpBlock {
     /// The range, as a CIDR such as 10.0.0.0/8 or fd00::/8.
-    #[schemars(schema_with = "cidr_schema")]
-    pub cidr: String,
+    pub cidr: Cidr,
     /// Sub-ranges of cidr to exclude, as CIDRs inside cidr.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 16), inner(schema_with = "cidr_schema"))]
-    pub except: Vec<String>,
+    #[schemars(length(max = 16))]
+    pub except: Vec<Cidr>,
+}
+
+/// An IP range in CIDR notation, such as 10.0.0.0/8 or fd00::/8.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Cidr(pub String);
+
+impl JsonSchema for Cidr {
+    fn schema_name() -> Cow<'static, str> {
+        "Cidr".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "type": "string",
+            "description": "An IP range in CIDR notation, such as 10.0.0.0/8 or fd00::/8.",
+            "maxLength": 43,
+            "x-kubernetes-validations": [{
+                "rule": "isCIDR(self)",
+                "message": "must be a CIDR such as 10.0.0.0/8 or fd00::/8"
+            }]
+        })
+    }
 }
 
 /// A port and its protocol.
@@ -178,18 +206,6 @@ pub enum ConditionStatus {
     True,
     False,
     Unknown,
-}
-
-fn cidr_schema(_: &mut SchemaGenerator) -> Schema {
-    json_schema!({
-        "type": "string",
-        "description": "A CIDR such as 10.0.0.0/8 or fd00::/8.",
-        "maxLength": 43,
-        "x-kubernetes-validations": [{
-            "rule": "isCIDR(self)",
-            "message": "must be a CIDR such as 10.0.0.0/8 or fd00::/8"
-        }]
-    })
 }
 
 fn match_labels_schema(_: &mut SchemaGenerator) -> Schema {

@@ -84,8 +84,8 @@ pub fn network_policy(policy: &ApplicationTrafficPolicy, extra_labels: &BTreeMap
 fn peers(peers: &[Peer]) -> Option<Vec<NetworkPolicyPeer>> {
     non_empty(peers.iter().map(|peer| NetworkPolicyPeer {
         ip_block: Some(IPBlock {
-            cidr: peer.ip_block.cidr.clone(),
-            except: non_empty(peer.ip_block.except.iter().cloned()),
+            cidr: peer.ip_block.cidr.0.clone(),
+            except: non_empty(peer.ip_block.except.iter().map(|c| c.0.clone())),
         }),
         ..Default::default()
     }))
@@ -141,7 +141,7 @@ pub fn rate_limit_config_map(policy: &ApplicationTrafficPolicy, extra_labels: &B
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{ApplicationSelector, ApplicationTrafficPolicySpec, EgressRule, IngressRule, IpBlock};
+    use crate::api::{ApplicationSelector, ApplicationTrafficPolicySpec, Cidr, EgressRule, IngressRule, IpBlock};
 
     fn policy(spec: ApplicationTrafficPolicySpec) -> ApplicationTrafficPolicy {
         let mut p = ApplicationTrafficPolicy::new("web", spec);
@@ -155,7 +155,7 @@ mod tests {
     }
 
     fn block(cidr: &str, except: &[&str]) -> Peer {
-        Peer { ip_block: IpBlock { cidr: cidr.into(), except: except.iter().map(|s| s.to_string()).collect() } }
+        Peer { ip_block: IpBlock { cidr: Cidr(cidr.into()), except: except.iter().map(|s| Cidr(s.to_string())).collect() } }
     }
 
     #[test]

@@ -41,17 +41,24 @@ struct AdminState {
     metrics: PrometheusHandle,
 }
 
+/// Binds early, so that a taken address fails the start with a clear error.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("admin server: cannot listen on {addr}: {e}"))
+}
+
 /// Serves until `shutdown` is cancelled.
-pub async fn serve(addr: SocketAddr, health: Arc<Health>, metrics: PrometheusHandle, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    health: Arc<Health>,
+    metrics: PrometheusHandle,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let app = Router::new()
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(|State(s): State<AdminState>| async move { s.metrics.render() }))
         .with_state(AdminState { health, metrics });
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("admin server: cannot listen on {addr}: {e}"))?;
-    tracing::info!(%addr, "admin server listening");
+    tracing::info!(addr = %listener.local_addr()?, "admin server listening");
     axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await?;
     Ok(())
 }

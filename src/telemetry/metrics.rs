@@ -23,6 +23,15 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
+/// The exporter's periodic housekeeping (histogram maintenance), every 5 s.
+pub async fn upkeep(handle: PrometheusHandle) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        handle.run_upkeep();
+    }
+}
+
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_gauge!("workqueue_depth", "Current depth of the work queue.");

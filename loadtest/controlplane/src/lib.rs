@@ -251,7 +251,7 @@ impl ControlPlane {
     /// Stops kube-apiserver (SIGTERM, then SIGKILL). Its port stays reserved for a restart.
     pub fn stop_apiserver(&self) {
         if let Some(mut p) = lock(&self.apiserver).take() {
-            p.stop(STOP_GRACE);
+            let _ = p.stop(STOP_GRACE);
         }
     }
 
@@ -262,7 +262,7 @@ impl ControlPlane {
 
     pub fn stop_etcd(&self) {
         if let Some(mut p) = lock(&self.etcd).take() {
-            p.stop(STOP_GRACE);
+            let _ = p.stop(STOP_GRACE);
         }
     }
 
@@ -277,7 +277,7 @@ impl ControlPlane {
     pub fn stop_all(&self) {
         for slot in [&self.controller_manager, &self.apiserver, &self.etcd] {
             if let Some(mut p) = lock(slot).take() {
-                p.stop(STOP_GRACE);
+                let _ = p.stop(STOP_GRACE);
             }
         }
     }
@@ -361,7 +361,8 @@ fn get(path: &str) -> Result<http::Request<Vec<u8>>> {
     Ok(http::Request::get(path).body(Vec::new())?)
 }
 
-fn free_port() -> Result<u16> {
+/// A port that was free on 127.0.0.1 a moment ago.
+pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port())
 }
 
@@ -371,8 +372,9 @@ fn random_token() -> Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// A bare HTTP/1.0 GET, enough for etcd's plain-HTTP /health.
-fn http_get_plain(port: u16, path: &str) -> Result<String> {
+/// A bare HTTP/1.0 GET on 127.0.0.1 (etcd's /health, an operator's /metrics); returns the
+/// whole response, status line included.
+pub fn http_get_plain(port: u16, path: &str) -> Result<String> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;

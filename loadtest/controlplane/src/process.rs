@@ -101,22 +101,22 @@ impl Process {
         anyhow!("{}: {what} (log: {})", self.name, self.log_path.display())
     }
 
-    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
-    pub fn stop(&mut self, grace: Duration) {
-        if self.exited().is_some() {
-            return;
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`. Returns how it exited.
+    pub fn stop(&mut self, grace: Duration) -> Option<ExitStatus> {
+        if let Some(status) = self.exited() {
+            return Some(status);
         }
         // SAFETY: plain kill(2) on the PID of a child we have not yet reaped.
         unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
-            if self.exited().is_some() {
-                return;
+            if let Some(status) = self.exited() {
+                return Some(status);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.wait().ok()
     }
 
     /// Sends `signal` (for example SIGSTOP or SIGCONT) to the process.
@@ -128,7 +128,7 @@ impl Process {
 
 impl Drop for Process {
     fn drop(&mut self) {
-        self.stop(Duration::from_secs(5));
+        let _ = self.stop(Duration::from_secs(5));
     }
 }
 

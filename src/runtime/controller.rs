@@ -1,0 +1,246 @@
+//! The controller: watch events through the predicate into the queue, and a bounded pool
+//! of workers that reconcile one key at a time.
+//!
+//! Contract:
+//! - a key is reconciled by at most one worker at a time (the queue guarantees it);
+//! - success and terminal errors schedule a jittered resync; other errors retry with
+//!   per-key exponential backoff, reset on success;
+//! - on shutdown no new work is taken, and in-flight reconciles get `drain_timeout`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::Resource;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, field};
+
+use super::backoff::Backoff;
+use super::child_versions::ChildVersions;
+use super::key::ObjectKey;
+use super::predicate::GenerationPredicate;
+use super::queue::{Priority, WorkQueue};
+use super::watch::ChildEvent;
+use crate::error::{Error, Result};
+use crate::telemetry::admin::Health;
+use crate::telemetry::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
+
+/// What to do after a successful reconcile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing until the next change or resync.
+    Done,
+    /// Look again after this long.
+    RequeueAfter(Duration),
+}
+
+/// The business logic plugged into the runtime.
+pub trait Reconciler<K>: Send + Sync + 'static {
+    fn reconcile(&self, object: Arc<K>) -> impl Future<Output = Result<Action>> + Send;
+    /// The object is gone from the cache: drop any state kept for it.
+    fn forget(&self, key: &ObjectKey);
+}
+
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The controller's name in metrics and logs.
+    pub name: &'static str,
+    pub workers: usize,
+    pub resync: Duration,
+    pub drain_timeout: Duration,
+    pub reconcile_timeout: Duration,
+    pub backoff: Backoff,
+}
+
+pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
+    settings: Settings,
+    queue: Arc<WorkQueue<ObjectKey>>,
+    store: Store<K>,
+    metrics: ControllerMetrics,
+    health: Arc<Health>,
+}
+
+impl<K> Controller<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+{
+    pub fn new(settings: Settings, store: Store<K>, health: Arc<Health>) -> Self {
+        let queue = Arc::new(WorkQueue::new(settings.backoff, QueueMetrics::new(settings.name)));
+        let metrics = ControllerMetrics::new(settings.name, settings.workers);
+        Self { settings, queue, store, metrics, health }
+    }
+
+    /// Runs until `shutdown`, then drains. `primary` must be the stream that feeds `store`.
+    pub async fn run<R: Reconciler<K>>(
+        self,
+        primary: impl Stream<Item = watcher::Event<K>> + Send + 'static,
+        children: Vec<BoxStream<'static, ChildEvent>>,
+        child_versions: Arc<ChildVersions>,
+        reconciler: Arc<R>,
+        shutdown: CancellationToken,
+    ) {
+        let this = Arc::new(self);
+        let mut background = vec![
+            tokio::spawn(this.clone().feed_primary(primary)),
+            tokio::spawn(this.clone().update_gauges()),
+        ];
+        for stream in children {
+            background.push(tokio::spawn(this.clone().feed_children(stream, child_versions.clone())));
+        }
+        let workers: Vec<_> =
+            (0..this.settings.workers).map(|_| tokio::spawn(this.clone().work(reconciler.clone()))).collect();
+
+        shutdown.cancelled().await;
+        this.health.set_shutting_down();
+        this.queue.shut_down();
+        let in_flight = this.queue.in_flight();
+        tracing::info!(in_flight, "shutting down: draining in-flight reconciles");
+        if tokio::time::timeout(this.settings.drain_timeout, join_all(workers)).await.is_err() {
+            tracing::warn!(timeout = ?this.settings.drain_timeout, "drain deadline passed; abandoning reconciles");
+        }
+        background.iter().for_each(|task| task.abort());
+    }
+
+    async fn feed_primary(self: Arc<Self>, primary: impl Stream<Item = watcher::Event<K>> + Send) {
+        let mut predicate = GenerationPredicate::default();
+        let mut synced_once = false;
+        // The reflector publishes a relist to the cache only at InitDone, so its keys wait
+        // here until then: a worker must find the object it is handed.
+        let mut relisted: Vec<ObjectKey> = Vec::new();
+        let mut primary = std::pin::pin!(primary);
+        while let Some(event) = primary.next().await {
+            match event {
+                watcher::Event::Init => {
+                    predicate.begin_relist();
+                    relisted.clear();
+                }
+                watcher::Event::InitApply(object) => {
+                    let key = ObjectKey::of(&object);
+                    if predicate.changed(&key, object.meta().generation) {
+                        relisted.push(key);
+                    }
+                }
+                watcher::Event::InitDone => {
+                    // Work from the first list waits behind real changes; after that, what
+                    // a relist finds changed is a real change.
+                    let priority = if synced_once { Priority::High } else { Priority::Low };
+                    for key in relisted.drain(..) {
+                        self.queue.add(key, priority);
+                    }
+                    for gone in predicate.end_relist() {
+                        self.queue.add(gone, Priority::Low);
+                    }
+                    synced_once = true;
+                    self.health.set_synced(true);
+                    metrics::set_cache_synced(self.settings.name, true);
+                }
+                watcher::Event::Apply(object) => {
+                    let key = ObjectKey::of(&object);
+                    if predicate.changed(&key, object.meta().generation) {
+                        self.queue.add(key, Priority::High);
+                    }
+                }
+                watcher::Event::Delete(object) => {
+                    let key = ObjectKey::of(&object);
+                    predicate.forget(&key);
+                    self.queue.add(key, Priority::High);
+                }
+            }
+        }
+    }
+
+    async fn feed_children(self: Arc<Self>, mut children: BoxStream<'static, ChildEvent>, versions: Arc<ChildVersions>) {
+        let mut listed_once = false;
+        while let Some(event) = children.next().await {
+            match event {
+                ChildEvent::Listed => listed_once = true,
+                ChildEvent::Changed { kind, owner, resource_version, initial } => {
+                    let news = versions.observe(kind, &owner, resource_version.as_deref());
+                    // The first list only teaches us versions: the primary's initial list
+                    // reconciles every owner anyway.
+                    if news && (listed_once || !initial) {
+                        self.queue.add(owner, Priority::High);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn update_gauges(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            self.queue.update_time_gauges();
+            metrics::set_cached_objects(self.settings.name, self.store.len());
+        }
+    }
+
+    async fn work<R: Reconciler<K>>(self: Arc<Self>, reconciler: Arc<R>) {
+        while let Some(key) = self.queue.get().await {
+            self.metrics.active_workers(1.0);
+            self.process(&key, reconciler.as_ref()).await;
+            self.queue.done(&key);
+            self.metrics.active_workers(-1.0);
+        }
+    }
+
+    async fn process<R: Reconciler<K>>(&self, key: &ObjectKey, reconciler: &R) {
+        let Some(object) = self.store.get(&ObjectRef::new(&key.name).within(&key.namespace)) else {
+            reconciler.forget(key);
+            self.queue.forget(key);
+            return;
+        };
+        let span = tracing::info_span!(
+            "reconcile",
+            object = %key,
+            generation = object.meta().generation,
+            result = field::Empty,
+            duration_ms = field::Empty,
+        );
+        let started = Instant::now();
+        let timeout = self.settings.reconcile_timeout;
+        let outcome = match tokio::time::timeout(timeout, reconciler.reconcile(object.clone()).instrument(span.clone())).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Error::Timeout(timeout)),
+        };
+        let took = started.elapsed();
+        span.record("duration_ms", took.as_millis() as u64);
+        let _entered = span.enter();
+        match outcome {
+            Ok(action) => {
+                self.queue.forget(key);
+                let (result, delay) = match action {
+                    Action::Done => (ReconcileResult::Success, jittered(self.settings.resync)),
+                    Action::RequeueAfter(delay) => (ReconcileResult::RequeueAfter, delay),
+                };
+                self.queue.add_after(key.clone(), delay, Priority::Low);
+                self.metrics.reconciled(result, took, None);
+                span.record("result", "success");
+                tracing::debug!("reconciled");
+            }
+            Err(error) if error.is_terminal() => {
+                self.queue.forget(key);
+                self.queue.add_after(key.clone(), jittered(self.settings.resync), Priority::Low);
+                self.metrics.reconciled(ReconcileResult::Error, took, Some(error.kind()));
+                span.record("result", error.kind());
+                tracing::info!(%error, "not retrying until the spec changes");
+            }
+            Err(error) => {
+                let retry_in = self.queue.add_rate_limited(key.clone());
+                self.metrics.reconciled(ReconcileResult::Error, took, Some(error.kind()));
+                span.record("result", error.kind());
+                tracing::warn!(%error, ?retry_in, "reconcile failed; retrying with backoff");
+            }
+        }
+    }
+}
+
+/// `period` plus up to 10% so that resyncs of objects created together spread out.
+fn jittered(period: Duration) -> Duration {
+    period.mul_f64(1.0 + rand::random::<f64>() * 0.1)
+}

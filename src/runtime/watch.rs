@@ -1,0 +1,112 @@
+//! Watch sources: the primary resource into a trimmed cache, and children as
+//! metadata-only events that point at their owner.
+//!
+//! Both retry with kube-runtime's default backoff and relist after `410 Gone`.
+
+use std::fmt::Debug;
+
+use futures::{Stream, StreamExt};
+use kube::api::{Api, PartialObjectMeta};
+use kube::runtime::reflector::{self, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+
+use super::key::ObjectKey;
+
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Drops what the reconcile never reads before an object is cached: managed fields and
+/// the client-side-apply annotation are often larger than the spec itself.
+pub fn trim<K: Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+    if let Some(annotations) = &mut object.meta_mut().annotations {
+        annotations.remove(LAST_APPLIED);
+        if annotations.is_empty() {
+            object.meta_mut().annotations = None;
+        }
+    }
+}
+
+/// Watch events of the primary resource, applied to `writer`'s cache as they pass.
+pub fn primary<K>(api: Api<K>, config: watcher::Config, writer: Writer<K>) -> impl Stream<Item = watcher::Event<K>> + Send
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    let kind = K::kind(&());
+    reflector::reflector(writer, watcher(api, config).default_backoff().modify(trim::<K>)).filter_map(move |event| {
+        let kind = kind.clone();
+        async move {
+            event.map_err(|error| tracing::warn!(%kind, %error, "watch failed; retrying with backoff")).ok()
+        }
+    })
+}
+
+/// What the child watch reports.
+#[derive(Debug)]
+pub enum ChildEvent {
+    /// A child changed or vanished.
+    Changed {
+        kind: &'static str,
+        /// The owner's key; children share it, as they carry their owner's name.
+        owner: ObjectKey,
+        /// `None` when the child was deleted.
+        resource_version: Option<String>,
+        /// Part of the initial list of a (re)started watch.
+        initial: bool,
+    },
+    /// A (re)list is complete.
+    Listed,
+}
+
+/// Metadata-only events of children whose controller is a `owner_kind`, selected by label
+/// on the server. Nothing is cached: the owner's key is all the runtime needs.
+pub fn children<C>(
+    api: Api<PartialObjectMeta<C>>,
+    config: watcher::Config,
+    kind: &'static str,
+    owner_kind: &'static str,
+) -> impl Stream<Item = ChildEvent> + Send
+where
+    C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    watcher(api, config).default_backoff().filter_map(move |event| async move {
+        let (child, deleted, initial) = match event {
+            Ok(watcher::Event::Apply(child)) => (child, false, false),
+            Ok(watcher::Event::InitApply(child)) => (child, false, true),
+            Ok(watcher::Event::Delete(child)) => (child, true, false),
+            Ok(watcher::Event::InitDone) => return Some(ChildEvent::Listed),
+            Ok(watcher::Event::Init) => return None,
+            Err(error) => {
+                tracing::warn!(kind, %error, "child watch failed; retrying with backoff");
+                return None;
+            }
+        };
+        let owner = child.owner_references().iter().find(|o| o.controller == Some(true) && o.kind == owner_kind)?;
+        Some(ChildEvent::Changed {
+            kind,
+            owner: ObjectKey::new(child.namespace().unwrap_or_default(), owner.name.clone()),
+            resource_version: if deleted { None } else { child.resource_version() },
+            initial,
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn trim_drops_managed_fields_and_last_applied_but_keeps_other_annotations() {
+        let mut cm = ConfigMap::default();
+        cm.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
+        cm.metadata.annotations =
+            Some(BTreeMap::from([(LAST_APPLIED.to_string(), "{...}".to_string()), ("keep".to_string(), "me".to_string())]));
+        trim(&mut cm);
+        assert!(cm.metadata.managed_fields.is_none());
+        assert_eq!(cm.metadata.annotations.unwrap().keys().collect::<Vec<_>>(), ["keep"]);
+    }
+}

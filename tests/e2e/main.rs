@@ -1,0 +1,8 @@
+//! End-to-end tests: the real operator binary against the real control plane.
+//! One test process shares one control plane; each test has its own namespace and
+//! its own operator process scoped to it.
+
+mod lifecycle;
+mod restart;
+mod support;
+mod validation;

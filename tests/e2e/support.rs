@@ -1,0 +1,172 @@
+//! Fixtures for the e2e suite: the shared control plane with our CRD and ClusterRole
+//! installed, one namespace per test, and the real operator binary run as a separate
+//! process under the ClusterRole from deploy/.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use controlplane::process::Process;
+use controlplane::{ControlPlane, Grant};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use tokio::sync::OnceCell;
+use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+
+pub const DEADLINE: Duration = Duration::from_secs(60);
+const REPO: &str = env!("CARGO_MANIFEST_DIR");
+
+/// Polls `check` every 100 ms until it returns `Some`, or panics after [`DEADLINE`].
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out after {DEADLINE:?} waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A test's own namespace on the shared control plane.
+pub struct TestEnv {
+    pub cp: &'static ControlPlane,
+    pub client: Client,
+    pub namespace: String,
+}
+
+impl TestEnv {
+    pub async fn new(namespace: &str) -> Self {
+        let cp = tokio::task::spawn_blocking(ControlPlane::shared).await.unwrap();
+        let client = cp.client().await.unwrap();
+        install_once(cp).await;
+        let ns = Namespace { metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() }, ..Default::default() };
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
+        Self { cp, client, namespace: namespace.into() }
+    }
+
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>,
+    {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    /// A ServiceAccount bound to deploy/'s ClusterRole (or to `grants` when given).
+    pub async fn operator_identity(&self, name: &str, grants: Option<Vec<Grant>>) -> controlplane::Identity {
+        let grants = grants.unwrap_or_else(|| vec![Grant::ClusterRole(operator_cluster_role().name_any())]);
+        self.cp.identity(&self.namespace, name, &grants).await.unwrap()
+    }
+
+    /// Starts the operator for this namespace under deploy/'s ClusterRole.
+    pub async fn start_operator(&self, extra_args: &[&str]) -> Operator {
+        let identity = self.operator_identity("operator", None).await;
+        Operator::start(self, &identity, extra_args).await
+    }
+
+    /// Waits until the policy reports Ready with `status` for its current generation.
+    pub async fn wait_ready(&self, name: &str, status: ConditionStatus) -> ApplicationTrafficPolicy {
+        let api = self.api::<ApplicationTrafficPolicy>();
+        eventually(&format!("{name} is Ready={status:?} for its generation"), || async {
+            let policy = api.get_opt(name).await.ok()??;
+            let s = policy.status.as_ref()?;
+            let ready = s.conditions.iter().find(|c| c.type_ == "Ready")?;
+            (ready.status == status && s.observed_generation == policy.metadata.generation).then_some(policy)
+        })
+        .await
+    }
+}
+
+async fn install_once(cp: &'static ControlPlane) {
+    static INSTALLED: OnceCell<()> = OnceCell::const_new();
+    INSTALLED
+        .get_or_init(|| async {
+            let client = cp.client().await.unwrap();
+            let apply = PatchParams::apply("e2e-tests").force();
+            let crd: CustomResourceDefinition = read_yaml("crds/applicationtrafficpolicies.trafficpolicy.dev.yaml");
+            let crds = Api::<CustomResourceDefinition>::all(client.clone());
+            crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
+            let role = operator_cluster_role();
+            Api::<ClusterRole>::all(client.clone()).patch(&role.name_any(), &apply, &Patch::Apply(&role)).await.unwrap();
+            eventually("the CRD is established", || async {
+                let crd = crds.get(&crd.name_any()).await.ok()?;
+                crd.status?.conditions?.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(())
+            })
+            .await;
+        })
+        .await;
+}
+
+pub fn operator_cluster_role() -> ClusterRole {
+    read_yaml("deploy/clusterrole.yaml")
+}
+
+/// The one document of a YAML file in the repo (a leading `---` and comments allowed).
+pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &str) -> T {
+    let text = std::fs::read_to_string(Path::new(REPO).join(path)).unwrap();
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// The operator binary, running as its own process.
+pub struct Operator {
+    pub process: Process,
+    pub admin_port: u16,
+}
+
+impl Operator {
+    pub async fn start(env: &TestEnv, identity: &controlplane::Identity, extra_args: &[&str]) -> Self {
+        let admin_port = controlplane::free_port().unwrap();
+        let log = env.cp.dir().join(format!("operator-{}-{admin_port}.log", env.namespace));
+        let mut args: Vec<String> = vec![
+            format!("--kubeconfig={}", identity.kubeconfig_path.display()),
+            format!("--watch-namespace={}", env.namespace),
+            format!("--admin-addr=127.0.0.1:{admin_port}"),
+            format!("--pod-name=operator-{admin_port}"),
+            "--log-format=json".into(),
+            "--log-level=info".into(),
+        ];
+        args.extend(extra_args.iter().map(|s| s.to_string()));
+        let binary = Path::new(env!("CARGO_BIN_EXE_traffic-policy-operator"));
+        let process = Process::start("traffic-policy-operator", binary, &args, &log).unwrap();
+        let mut operator = Self { process, admin_port };
+        let deadline = Instant::now() + DEADLINE;
+        while !operator.get("/readyz").is_ok_and(|r| r.contains(" 200 ")) {
+            if let Some(status) = operator.process.exited() {
+                panic!("{}", operator.process.failure(&format!("exited at start ({status})")));
+            }
+            assert!(Instant::now() < deadline, "{}", operator.process.failure("not ready in time"));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        operator
+    }
+
+    pub fn get(&self, path: &str) -> anyhow::Result<String> {
+        controlplane::http_get_plain(self.admin_port, path)
+    }
+
+    /// The sum of every series of `name` (optionally only those containing `label`).
+    pub fn metric(&self, name: &str, label: Option<&str>) -> f64 {
+        let text = self.get("/metrics").unwrap();
+        text.lines()
+            .filter(|line| {
+                line.split(['{', ' ']).next() == Some(name) && label.is_none_or(|l| line.contains(l))
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    pub fn successful_reconciles(&self) -> f64 {
+        self.metric("controller_runtime_reconcile_total", Some("result=\"success\""))
+    }
+
+    /// SIGTERM, and how the process exited.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        self.process.stop(Duration::from_secs(20))
+    }
+}
