@@ -9,7 +9,10 @@ use clap::{Args, Parser, Subcommand};
 use crate::telemetry::logging::LogFormat;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "Turns ApplicationTrafficPolicy objects into NetworkPolicies and gateway rate-limit ConfigMaps")]
+#[command(
+    version,
+    about = "Turns ApplicationTrafficPolicy objects into NetworkPolicies and gateway rate-limit ConfigMaps"
+)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct Cli {
     #[command(subcommand)]

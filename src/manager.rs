@@ -6,16 +6,16 @@ use std::sync::Arc;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::Client;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{reflector, watcher};
-use kube::Client;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ApplicationTrafficPolicy;
 use crate::cli::RunArgs;
-use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::reconcile::TrafficPolicyReconciler;
+use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::{Controller, Settings, watch};
@@ -34,16 +34,27 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     tokio::spawn(metrics::upkeep(prometheus.clone()));
 
     let (store, writer) = reflector::store();
-    let primary = watch::primary(api::<ApplicationTrafficPolicy>(&client, &args), watcher::Config::default().any_semantic(), writer);
+    let primary = watch::primary(
+        api::<ApplicationTrafficPolicy>(&client, &args),
+        watcher::Config::default().any_semantic(),
+        writer,
+    );
     let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
     let children = vec![
-        watch::children(api::<PartialObjectMeta<NetworkPolicy>>(&client, &args), owned.clone(), "NetworkPolicy", owner_kind).boxed(),
+        watch::children(
+            api::<PartialObjectMeta<NetworkPolicy>>(&client, &args),
+            owned.clone(),
+            "NetworkPolicy",
+            owner_kind,
+        )
+        .boxed(),
         watch::children(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, "ConfigMap", owner_kind).boxed(),
     ];
     let child_versions = Arc::new(ChildVersions::default());
     let reporter = Reporter { controller: "traffic-policy-operator".into(), instance: Some(args.pod_name.clone()) };
-    let reconciler = Arc::new(TrafficPolicyReconciler::new(client.clone(), Recorder::new(client, reporter), child_versions.clone()));
+    let reconciler =
+        Arc::new(TrafficPolicyReconciler::new(client.clone(), Recorder::new(client, reporter), child_versions.clone()));
     let settings = Settings {
         name: CONTROLLER_NAME,
         workers: args.workers.into(),

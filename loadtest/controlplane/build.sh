@@ -47,7 +47,7 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   version_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
 done
 
-export CGO_ENABLED=0 GOFLAGS=-mod=mod
+export CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
 
 build() { # name module_dir package ldflags
   local name=$1 dir=$2 pkg=$3 ldflags=$4

@@ -75,7 +75,9 @@ pub fn network_policy(policy: &ApplicationTrafficPolicy, extra_labels: &BTreeMap
                     .map(|rule| NetworkPolicyIngressRule { from: peers(&rule.from), ports: ports(&rule.ports) }),
             ),
             egress: non_empty(
-                spec.egress_rules.iter().map(|rule| NetworkPolicyEgressRule { to: peers(&rule.to), ports: ports(&rule.ports) }),
+                spec.egress_rules
+                    .iter()
+                    .map(|rule| NetworkPolicyEgressRule { to: peers(&rule.to), ports: ports(&rule.ports) }),
             ),
         }),
     }
@@ -155,7 +157,9 @@ mod tests {
     }
 
     fn block(cidr: &str, except: &[&str]) -> Peer {
-        Peer { ip_block: IpBlock { cidr: Cidr(cidr.into()), except: except.iter().map(|s| Cidr(s.to_string())).collect() } }
+        Peer {
+            ip_block: IpBlock { cidr: Cidr(cidr.into()), except: except.iter().map(|s| Cidr(s.to_string())).collect() },
+        }
     }
 
     #[test]
@@ -164,7 +168,10 @@ mod tests {
             application_selector: selector(),
             ingress_rules: vec![IngressRule {
                 from: vec![block("10.0.0.0/8", &["10.1.0.0/16"])],
-                ports: vec![PortRule { protocol: Protocol::Http, port: 8080 }, PortRule { protocol: Protocol::Udp, port: 53 }],
+                ports: vec![
+                    PortRule { protocol: Protocol::Http, port: 8080 },
+                    PortRule { protocol: Protocol::Udp, port: 53 },
+                ],
             }],
             egress_rules: vec![EgressRule { to: vec![], ports: vec![PortRule { protocol: Protocol::Sctp, port: 9 }] }],
             rate_limit: None,
@@ -210,7 +217,10 @@ mod tests {
         let extra = BTreeMap::from([("extra".to_string(), "1".to_string())]);
         let cm = rate_limit_config_map(&p, &extra);
         let owner = &cm.metadata.owner_references.as_ref().unwrap()[0];
-        assert_eq!((owner.kind.as_str(), owner.uid.as_str(), owner.controller), ("ApplicationTrafficPolicy", "uid-1", Some(true)));
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("ApplicationTrafficPolicy", "uid-1", Some(true))
+        );
         let labels = cm.metadata.labels.unwrap();
         assert_eq!(labels[MANAGED_BY_LABEL], MANAGED_BY_VALUE);
         assert_eq!(labels[POLICY_LABEL], "web");

@@ -45,12 +45,21 @@ impl TrafficPolicyReconciler {
         let namespace = policy.namespace().unwrap_or_default();
         let np = desired::network_policy(policy, &labels);
         let cm = desired::rate_limit_config_map(policy, &labels);
-        let np_effect = self.apply("NetworkPolicy", Api::<NetworkPolicy>::namespaced(self.client.clone(), &namespace), &np, policy).await?;
-        let cm_effect = self.apply("ConfigMap", Api::<ConfigMap>::namespaced(self.client.clone(), &namespace), &cm, policy).await?;
+        let np_effect = self
+            .apply("NetworkPolicy", Api::<NetworkPolicy>::namespaced(self.client.clone(), &namespace), &np, policy)
+            .await?;
+        let cm_effect =
+            self.apply("ConfigMap", Api::<ConfigMap>::namespaced(self.client.clone(), &namespace), &cm, policy).await?;
         Ok(vec![("NetworkPolicy", np_effect), ("ConfigMap", cm_effect)])
     }
 
-    async fn apply<C>(&self, kind: &'static str, api: Api<C>, child: &C, policy: &ApplicationTrafficPolicy) -> Result<ApplyEffect>
+    async fn apply<C>(
+        &self,
+        kind: &'static str,
+        api: Api<C>,
+        child: &C,
+        policy: &ApplicationTrafficPolicy,
+    ) -> Result<ApplyEffect>
     where
         C: Resource + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
     {
@@ -64,7 +73,12 @@ impl TrafficPolicyReconciler {
             other => Error::Kube(other),
         })?;
         let key = ObjectKey::of(policy);
-        Ok(self.child_versions.written(kind, &key, &applied.resource_version().unwrap_or_default(), policy.meta().generation))
+        Ok(self.child_versions.written(
+            kind,
+            &key,
+            &applied.resource_version().unwrap_or_default(),
+            policy.meta().generation,
+        ))
     }
 
     /// Writes status if it differs from what the cache holds.
@@ -74,7 +88,8 @@ impl TrafficPolicyReconciler {
         if policy.status.as_ref() == Some(&next) {
             return Ok(());
         }
-        let api = Api::<ApplicationTrafficPolicy>::namespaced(self.client.clone(), &policy.namespace().unwrap_or_default());
+        let api =
+            Api::<ApplicationTrafficPolicy>::namespaced(self.client.clone(), &policy.namespace().unwrap_or_default());
         let patch = serde_json::json!({ "status": next });
         match api.patch_status(&policy.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
             Ok(_) => Ok(()),
@@ -87,7 +102,8 @@ impl TrafficPolicyReconciler {
     /// Publishes an event; failures are logged, never fatal. The recorder aggregates
     /// repeats into a series instead of one event per retry.
     async fn event(&self, policy: &ApplicationTrafficPolicy, type_: EventType, reason: &str, note: String) {
-        let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
+        let event =
+            Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
         if let Err(error) = self.recorder.publish(&event, &policy.object_ref(&())).await {
             tracing::debug!(%error, reason, "could not publish event");
         }
@@ -107,10 +123,22 @@ impl Reconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
                 for (kind, effect) in effects {
                     match effect {
                         ApplyEffect::Repaired => {
-                            self.event(&policy, EventType::Normal, "Repaired", format!("Restored {kind} after an outside change")).await
+                            self.event(
+                                &policy,
+                                EventType::Normal,
+                                "Repaired",
+                                format!("Restored {kind} after an outside change"),
+                            )
+                            .await
                         }
                         ApplyEffect::Applied | ApplyEffect::Updated => {
-                            self.event(&policy, EventType::Normal, "Applied", format!("Applied {kind} for generation {generation}")).await
+                            self.event(
+                                &policy,
+                                EventType::Normal,
+                                "Applied",
+                                format!("Applied {kind} for generation {generation}"),
+                            )
+                            .await
                         }
                         ApplyEffect::Unchanged => {}
                     }

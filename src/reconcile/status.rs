@@ -21,7 +21,9 @@ pub enum Outcome {
 impl Outcome {
     fn condition(&self) -> (ConditionStatus, &'static str, String) {
         match self {
-            Self::Applied => (ConditionStatus::True, "Applied", "NetworkPolicy and rate-limit ConfigMap are in place".into()),
+            Self::Applied => {
+                (ConditionStatus::True, "Applied", "NetworkPolicy and rate-limit ConfigMap are in place".into())
+            }
             Self::InvalidSpec(message) => (ConditionStatus::False, "InvalidSpec", message.clone()),
             Self::ApplyFailed(message) => (ConditionStatus::False, "ApplyFailed", message.clone()),
         }
@@ -72,7 +74,10 @@ mod tests {
         let s = next_status(None, Some(1), &Outcome::Applied, T1);
         assert_eq!(s.observed_generation, Some(1));
         let ready = &s.conditions[0];
-        assert_eq!((ready.status, ready.reason.as_str(), ready.last_transition_time.as_str()), (ConditionStatus::True, "Applied", T1));
+        assert_eq!(
+            (ready.status, ready.reason.as_str(), ready.last_transition_time.as_str()),
+            (ConditionStatus::True, "Applied", T1)
+        );
     }
 
     #[test]
@@ -96,10 +101,14 @@ mod tests {
         let ok = next_status(None, Some(1), &Outcome::Applied, T1);
         let bad = next_status(Some(&ok), Some(2), &Outcome::InvalidSpec("spec.x: bad".into()), T2);
         let ready = &bad.conditions[0];
-        assert_eq!((ready.status, ready.reason.as_str(), ready.message.as_str()), (ConditionStatus::False, "InvalidSpec", "spec.x: bad"));
+        assert_eq!(
+            (ready.status, ready.reason.as_str(), ready.message.as_str()),
+            (ConditionStatus::False, "InvalidSpec", "spec.x: bad")
+        );
         assert_eq!(ready.last_transition_time, T2);
         // False -> False with another reason is not a transition.
-        let failed = next_status(Some(&bad), Some(2), &Outcome::ApplyFailed("forbidden".into()), "2026-01-01T00:09:00Z");
+        let failed =
+            next_status(Some(&bad), Some(2), &Outcome::ApplyFailed("forbidden".into()), "2026-01-01T00:09:00Z");
         assert_eq!(failed.conditions[0].last_transition_time, T2);
         assert_eq!(failed.conditions[0].reason, "ApplyFailed");
     }

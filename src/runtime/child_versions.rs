@@ -115,7 +115,13 @@ impl ChildVersions {
     }
 
     /// Records our write and classifies it.
-    pub fn written(&self, kind: &'static str, key: &ObjectKey, resource_version: &str, generation: Option<i64>) -> ApplyEffect {
+    pub fn written(
+        &self,
+        kind: &'static str,
+        key: &ObjectKey,
+        resource_version: &str,
+        generation: Option<i64>,
+    ) -> ApplyEffect {
         let mut inner = self.lock();
         let previous = inner.known.insert(
             (kind, key.clone()),

@@ -13,9 +13,9 @@ use std::time::Duration;
 use futures::future::join_all;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
+use kube::Resource;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
-use kube::Resource;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
@@ -85,10 +85,8 @@ where
         shutdown: CancellationToken,
     ) {
         let this = Arc::new(self);
-        let mut background = vec![
-            tokio::spawn(this.clone().feed_primary(primary)),
-            tokio::spawn(this.clone().update_gauges()),
-        ];
+        let mut background =
+            vec![tokio::spawn(this.clone().feed_primary(primary)), tokio::spawn(this.clone().update_gauges())];
         for stream in children {
             background.push(tokio::spawn(this.clone().feed_children(stream, child_versions.clone())));
         }
@@ -154,7 +152,11 @@ where
         }
     }
 
-    async fn feed_children(self: Arc<Self>, mut children: BoxStream<'static, ChildEvent>, versions: Arc<ChildVersions>) {
+    async fn feed_children(
+        self: Arc<Self>,
+        mut children: BoxStream<'static, ChildEvent>,
+        versions: Arc<ChildVersions>,
+    ) {
         let mut listed_once = false;
         while let Some(event) = children.next().await {
             match event {
@@ -204,10 +206,11 @@ where
         );
         let started = Instant::now();
         let timeout = self.settings.reconcile_timeout;
-        let outcome = match tokio::time::timeout(timeout, reconciler.reconcile(object.clone()).instrument(span.clone())).await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(Error::Timeout(timeout)),
-        };
+        let outcome =
+            match tokio::time::timeout(timeout, reconciler.reconcile(object.clone()).instrument(span.clone())).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(Error::Timeout(timeout)),
+            };
         let took = started.elapsed();
         span.record("duration_ms", took.as_millis() as u64);
         let _entered = span.enter();

@@ -29,16 +29,18 @@ pub fn trim<K: Resource>(object: &mut K) {
 }
 
 /// Watch events of the primary resource, applied to `writer`'s cache as they pass.
-pub fn primary<K>(api: Api<K>, config: watcher::Config, writer: Writer<K>) -> impl Stream<Item = watcher::Event<K>> + Send
+pub fn primary<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    writer: Writer<K>,
+) -> impl Stream<Item = watcher::Event<K>> + Send
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
     reflector::reflector(writer, watcher(api, config).default_backoff().modify(trim::<K>)).filter_map(move |event| {
         let kind = kind.clone();
-        async move {
-            event.map_err(|error| tracing::warn!(%kind, %error, "watch failed; retrying with backoff")).ok()
-        }
+        async move { event.map_err(|error| tracing::warn!(%kind, %error, "watch failed; retrying with backoff")).ok() }
     })
 }
 
@@ -103,8 +105,10 @@ mod tests {
     fn trim_drops_managed_fields_and_last_applied_but_keeps_other_annotations() {
         let mut cm = ConfigMap::default();
         cm.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
-        cm.metadata.annotations =
-            Some(BTreeMap::from([(LAST_APPLIED.to_string(), "{...}".to_string()), ("keep".to_string(), "me".to_string())]));
+        cm.metadata.annotations = Some(BTreeMap::from([
+            (LAST_APPLIED.to_string(), "{...}".to_string()),
+            ("keep".to_string(), "me".to_string()),
+        ]));
         trim(&mut cm);
         assert!(cm.metadata.managed_fields.is_none());
         assert_eq!(cm.metadata.annotations.unwrap().keys().collect::<Vec<_>>(), ["keep"]);

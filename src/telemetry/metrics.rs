@@ -14,7 +14,10 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 pub fn install() -> anyhow::Result<PrometheusHandle> {
     // controller-runtime: workqueue durations 1e-8 s … 1e3 s in ×10 steps.
     let queue_buckets: Vec<f64> = (-8..=3).map(|e| 10f64.powi(e)).collect();
-    let reconcile_buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0];
+    let reconcile_buckets = [
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5,
+        1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0,
+    ];
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Prefix("workqueue_".into()), &queue_buckets)?
         .set_buckets_for_metric(Matcher::Full("controller_runtime_reconcile_time_seconds".into()), &reconcile_buckets)?
@@ -90,7 +93,8 @@ impl QueueMetrics {
     }
 
     pub fn set_oldest_item_age(&self, age: Duration) {
-        gauge!("workqueue_oldest_item_age_seconds", "name" => self.name, "controller" => self.name).set(age.as_secs_f64());
+        gauge!("workqueue_oldest_item_age_seconds", "name" => self.name, "controller" => self.name)
+            .set(age.as_secs_f64());
     }
 
     fn depth(&self, depth: usize) {
@@ -128,16 +132,19 @@ impl ControllerMetrics {
         gauge!("controller_runtime_active_workers", "controller" => name).set(0.0);
         // Zero series exist from the start, so rate() and absent() behave.
         for result in [ReconcileResult::Success, ReconcileResult::Error, ReconcileResult::RequeueAfter] {
-            counter!("controller_runtime_reconcile_total", "controller" => name, "result" => result.label()).absolute(0);
+            counter!("controller_runtime_reconcile_total", "controller" => name, "result" => result.label())
+                .absolute(0);
         }
         Self { name }
     }
 
     pub fn reconciled(&self, result: ReconcileResult, took: Duration, error_kind: Option<&'static str>) {
-        counter!("controller_runtime_reconcile_total", "controller" => self.name, "result" => result.label()).increment(1);
+        counter!("controller_runtime_reconcile_total", "controller" => self.name, "result" => result.label())
+            .increment(1);
         histogram!("controller_runtime_reconcile_time_seconds", "controller" => self.name).record(took);
         if let Some(kind) = error_kind {
-            counter!("controller_runtime_reconcile_errors_total", "controller" => self.name, "kind" => kind).increment(1);
+            counter!("controller_runtime_reconcile_errors_total", "controller" => self.name, "kind" => kind)
+                .increment(1);
         }
     }
 

@@ -6,8 +6,8 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use traffic_policy_operator::api::*;
 
@@ -19,7 +19,9 @@ pub fn policy(name: &str, port: i32) -> ApplicationTrafficPolicy {
         ApplicationTrafficPolicySpec {
             application_selector: ApplicationSelector { match_labels: BTreeMap::from([("app".into(), name.into())]) },
             ingress_rules: vec![IngressRule {
-                from: vec![Peer { ip_block: IpBlock { cidr: Cidr("10.0.0.0/8".into()), except: vec![Cidr("10.1.0.0/16".into())] } }],
+                from: vec![Peer {
+                    ip_block: IpBlock { cidr: Cidr("10.0.0.0/8".into()), except: vec![Cidr("10.1.0.0/16".into())] },
+                }],
                 ports: vec![PortRule { protocol: Protocol::Http, port }],
             }],
             egress_rules: vec![],
@@ -94,7 +96,10 @@ async fn status_and_label_updates_cause_no_reconcile() {
     // A barrier: this spec change is queued after anything the updates above could queue.
     policies.create(&PostParams::default(), &policy("barrier", 81)).await.unwrap();
     env.wait_ready("barrier", ConditionStatus::True).await;
-    eventually("the barrier's reconcile is counted", || async { (operator.successful_reconciles() >= before + 1.0).then_some(()) }).await;
+    eventually("the barrier's reconcile is counted", || async {
+        (operator.successful_reconciles() >= before + 1.0).then_some(())
+    })
+    .await;
     assert_eq!(operator.successful_reconciles(), before + 1.0, "only the barrier was reconciled");
     assert_eq!(env.api::<NetworkPolicy>().get("quiet").await.unwrap().resource_version(), np_version);
 }
@@ -144,7 +149,8 @@ async fn a_spec_the_server_refuses_is_reported_and_not_retried() {
     assert_eq!(ready.reason, "InvalidSpec");
     assert!(ready.message.contains("podSelector"), "{}", ready.message);
     eventually("the error is counted", || async {
-        (operator.metric("controller_runtime_reconcile_errors_total", Some("kind=\"invalid_spec\"")) >= 1.0).then_some(())
+        (operator.metric("controller_runtime_reconcile_errors_total", Some("kind=\"invalid_spec\"")) >= 1.0)
+            .then_some(())
     })
     .await;
     assert_eq!(operator.metric("workqueue_retries_total", None), 0.0, "terminal errors are not retried with backoff");

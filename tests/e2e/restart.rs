@@ -4,8 +4,8 @@ use controlplane::Grant;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::ClusterRole;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
 use crate::lifecycle::policy;
@@ -15,8 +15,14 @@ async fn versions<K>(api: &Api<K>) -> Vec<(String, String)>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let mut list: Vec<_> =
-        api.list(&ListParams::default()).await.unwrap().items.iter().map(|o| (o.name_any(), o.resource_version().unwrap())).collect();
+    let mut list: Vec<_> = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|o| (o.name_any(), o.resource_version().unwrap()))
+        .collect();
     list.sort();
     list
 }
@@ -32,13 +38,24 @@ async fn a_restarted_operator_rewrites_nothing() {
     for i in 0..5 {
         env.wait_ready(&format!("app-{i}"), ConditionStatus::True).await;
     }
-    let before = (versions(&policies).await, versions(&env.api::<NetworkPolicy>()).await, versions(&env.api::<ConfigMap>()).await);
+    let before = (
+        versions(&policies).await,
+        versions(&env.api::<NetworkPolicy>()).await,
+        versions(&env.api::<ConfigMap>()).await,
+    );
     let status = first.stop().expect("the operator exits");
     assert!(status.success(), "SIGTERM must end in exit 0, got {status}");
 
     let second = env.start_operator(&[]).await;
-    eventually("the new operator reconciled every policy", || async { (second.successful_reconciles() >= 5.0).then_some(()) }).await;
-    let after = (versions(&policies).await, versions(&env.api::<NetworkPolicy>()).await, versions(&env.api::<ConfigMap>()).await);
+    eventually("the new operator reconciled every policy", || async {
+        (second.successful_reconciles() >= 5.0).then_some(())
+    })
+    .await;
+    let after = (
+        versions(&policies).await,
+        versions(&env.api::<NetworkPolicy>()).await,
+        versions(&env.api::<ConfigMap>()).await,
+    );
     assert_eq!(after, before, "no object was written again");
 }
 

@@ -46,7 +46,10 @@ impl TestEnv {
         let cp = tokio::task::spawn_blocking(ControlPlane::shared).await.unwrap();
         let client = cp.client().await.unwrap();
         install_once(cp).await;
-        let ns = Namespace { metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() }, ..Default::default() };
+        let ns = Namespace {
+            metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() },
+            ..Default::default()
+        };
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
         Self { cp, client, namespace: namespace.into() }
     }
@@ -93,7 +96,10 @@ async fn install_once(cp: &'static ControlPlane) {
             let crds = Api::<CustomResourceDefinition>::all(client.clone());
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
             let role = operator_cluster_role();
-            Api::<ClusterRole>::all(client.clone()).patch(&role.name_any(), &apply, &Patch::Apply(&role)).await.unwrap();
+            Api::<ClusterRole>::all(client.clone())
+                .patch(&role.name_any(), &apply, &Patch::Apply(&role))
+                .await
+                .unwrap();
             eventually("the CRD is established", || async {
                 let crd = crds.get(&crd.name_any()).await.ok()?;
                 crd.status?.conditions?.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(())
@@ -154,9 +160,7 @@ impl Operator {
     pub fn metric(&self, name: &str, label: Option<&str>) -> f64 {
         let text = self.get("/metrics").unwrap();
         text.lines()
-            .filter(|line| {
-                line.split(['{', ' ']).next() == Some(name) && label.is_none_or(|l| line.contains(l))
-            })
+            .filter(|line| line.split(['{', ' ']).next() == Some(name) && label.is_none_or(|l| line.contains(l)))
             .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }

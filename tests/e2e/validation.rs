@@ -16,51 +16,119 @@ fn valid_spec() -> Value {
     })
 }
 
+/// Turns the valid spec into an invalid one.
+type Breaker = Box<dyn Fn(&mut Value)>;
+
 /// (what, how to break a valid spec, what the message must contain)
-fn cases() -> Vec<(&'static str, Box<dyn Fn(&mut Value)>, &'static str)> {
+fn cases() -> Vec<(&'static str, Breaker, &'static str)> {
     vec![
-        ("malformed CIDR", Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["cidr"] = json!("10.0.0.0/33")),
-            "spec.ingressRules[0].from[0].ipBlock.cidr: Invalid value: \"10.0.0.0/33\": must be a CIDR"),
-        ("not an IP at all", Box::new(|s| s["egressRules"][0]["to"][0]["ipBlock"]["cidr"] = json!("example.com")),
-            "spec.egressRules[0].to[0].ipBlock.cidr: Invalid value: \"example.com\": must be a CIDR"),
-        ("except outside cidr", Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["except"] = json!(["11.0.0.0/16"])),
-            "spec.ingressRules[0].from[0].ipBlock.except: Invalid value: every except entry must be a CIDR strictly inside cidr"),
-        ("except equal to cidr", Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["except"] = json!(["10.0.0.0/8"])),
-            "spec.ingressRules[0].from[0].ipBlock.except: Invalid value: every except entry"),
-        ("malformed except", Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["except"] = json!(["10.1.0.0/99"])),
-            "spec.ingressRules[0].from[0].ipBlock.except[0]: Invalid value: \"10.1.0.0/99\": must be a CIDR"),
-        ("port 0", Box::new(|s| s["ingressRules"][0]["ports"][0]["port"] = json!(0)),
-            "spec.ingressRules[0].ports[0].port: Invalid value: 0: spec.ingressRules[0].ports[0].port in body should be greater than or equal to 1"),
-        ("port 70000", Box::new(|s| s["egressRules"][0]["ports"][0]["port"] = json!(70000)),
-            "spec.egressRules[0].ports[0].port: Invalid value: 70000: spec.egressRules[0].ports[0].port in body should be less than or equal to 65535"),
-        ("port as a name", Box::new(|s| s["ingressRules"][0]["ports"][0]["port"] = json!("http")),
-            "spec.ingressRules[0].ports[0].port: Invalid value: \"string\": spec.ingressRules[0].ports[0].port in body must be of type integer"),
-        ("missing port", Box::new(|s| s["egressRules"][0]["ports"][0] = json!({ "protocol": "UDP" })),
-            "spec.egressRules[0].ports[0].port: Required value"),
-        ("unknown protocol", Box::new(|s| s["ingressRules"][0]["ports"][0]["protocol"] = json!("ICMP")),
-            "spec.ingressRules[0].ports[0].protocol: Unsupported value: \"ICMP\""),
-        ("missing selector", Box::new(|s| { s.as_object_mut().unwrap().remove("applicationSelector"); }),
-            "spec.applicationSelector: Required value"),
-        ("selector without labels", Box::new(|s| s["applicationSelector"] = json!({})),
-            "spec.applicationSelector.matchLabels: Required value"),
-        ("empty matchLabels", Box::new(|s| s["applicationSelector"]["matchLabels"] = json!({})),
-            "spec.applicationSelector.matchLabels: Invalid value: 0: spec.applicationSelector.matchLabels in body should have at least 1 properties"),
-        ("over-long label value", Box::new(|s| s["applicationSelector"]["matchLabels"]["app"] = json!("x".repeat(64))),
-            "spec.applicationSelector.matchLabels.app: Too long: may not be more than 63 bytes"),
-        ("label value with a space", Box::new(|s| s["applicationSelector"]["matchLabels"]["app"] = json!("my app")),
-            "spec.applicationSelector.matchLabels.app in body should match"),
-        ("negative burst", Box::new(|s| s["rateLimit"]["burst"] = json!(-1)),
-            "spec.rateLimit.burst: Invalid value: -1: spec.rateLimit.burst in body should be greater than or equal to 0"),
-        ("zero requests per second", Box::new(|s| s["rateLimit"]["requestsPerSecond"] = json!(0)),
-            "spec.rateLimit.requestsPerSecond: Invalid value: 0: spec.rateLimit.requestsPerSecond in body should be greater than or equal to 1"),
-        ("rate limit without a rate", Box::new(|s| s["rateLimit"] = json!({ "burst": 3 })),
-            "spec.rateLimit.requestsPerSecond: Required value"),
-        ("too many rules", Box::new(|s| s["ingressRules"] = Value::Array(vec![json!({}); 33])),
-            "spec.ingressRules: Too many: 33: must have at most 32 items"),
-        ("too many ports", Box::new(|s| s["ingressRules"][0]["ports"] = Value::Array(vec![json!({ "port": 1 }); 17])),
-            "spec.ingressRules[0].ports: Too many: 17: must have at most 16 items"),
-        ("peer without ipBlock", Box::new(|s| s["ingressRules"][0]["from"][0] = json!({})),
-            "spec.ingressRules[0].from[0].ipBlock: Required value"),
+        (
+            "malformed CIDR",
+            Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["cidr"] = json!("10.0.0.0/33")),
+            "spec.ingressRules[0].from[0].ipBlock.cidr: Invalid value: \"10.0.0.0/33\": must be a CIDR",
+        ),
+        (
+            "not an IP at all",
+            Box::new(|s| s["egressRules"][0]["to"][0]["ipBlock"]["cidr"] = json!("example.com")),
+            "spec.egressRules[0].to[0].ipBlock.cidr: Invalid value: \"example.com\": must be a CIDR",
+        ),
+        (
+            "except outside cidr",
+            Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["except"] = json!(["11.0.0.0/16"])),
+            "spec.ingressRules[0].from[0].ipBlock.except: Invalid value: every except entry must be a CIDR strictly inside cidr",
+        ),
+        (
+            "except equal to cidr",
+            Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["except"] = json!(["10.0.0.0/8"])),
+            "spec.ingressRules[0].from[0].ipBlock.except: Invalid value: every except entry",
+        ),
+        (
+            "malformed except",
+            Box::new(|s| s["ingressRules"][0]["from"][0]["ipBlock"]["except"] = json!(["10.1.0.0/99"])),
+            "spec.ingressRules[0].from[0].ipBlock.except[0]: Invalid value: \"10.1.0.0/99\": must be a CIDR",
+        ),
+        (
+            "port 0",
+            Box::new(|s| s["ingressRules"][0]["ports"][0]["port"] = json!(0)),
+            "spec.ingressRules[0].ports[0].port: Invalid value: 0: spec.ingressRules[0].ports[0].port in body should be greater than or equal to 1",
+        ),
+        (
+            "port 70000",
+            Box::new(|s| s["egressRules"][0]["ports"][0]["port"] = json!(70000)),
+            "spec.egressRules[0].ports[0].port: Invalid value: 70000: spec.egressRules[0].ports[0].port in body should be less than or equal to 65535",
+        ),
+        (
+            "port as a name",
+            Box::new(|s| s["ingressRules"][0]["ports"][0]["port"] = json!("http")),
+            "spec.ingressRules[0].ports[0].port: Invalid value: \"string\": spec.ingressRules[0].ports[0].port in body must be of type integer",
+        ),
+        (
+            "missing port",
+            Box::new(|s| s["egressRules"][0]["ports"][0] = json!({ "protocol": "UDP" })),
+            "spec.egressRules[0].ports[0].port: Required value",
+        ),
+        (
+            "unknown protocol",
+            Box::new(|s| s["ingressRules"][0]["ports"][0]["protocol"] = json!("ICMP")),
+            "spec.ingressRules[0].ports[0].protocol: Unsupported value: \"ICMP\"",
+        ),
+        (
+            "missing selector",
+            Box::new(|s| {
+                s.as_object_mut().unwrap().remove("applicationSelector");
+            }),
+            "spec.applicationSelector: Required value",
+        ),
+        (
+            "selector without labels",
+            Box::new(|s| s["applicationSelector"] = json!({})),
+            "spec.applicationSelector.matchLabels: Required value",
+        ),
+        (
+            "empty matchLabels",
+            Box::new(|s| s["applicationSelector"]["matchLabels"] = json!({})),
+            "spec.applicationSelector.matchLabels: Invalid value: 0: spec.applicationSelector.matchLabels in body should have at least 1 properties",
+        ),
+        (
+            "over-long label value",
+            Box::new(|s| s["applicationSelector"]["matchLabels"]["app"] = json!("x".repeat(64))),
+            "spec.applicationSelector.matchLabels.app: Too long: may not be more than 63 bytes",
+        ),
+        (
+            "label value with a space",
+            Box::new(|s| s["applicationSelector"]["matchLabels"]["app"] = json!("my app")),
+            "spec.applicationSelector.matchLabels.app in body should match",
+        ),
+        (
+            "negative burst",
+            Box::new(|s| s["rateLimit"]["burst"] = json!(-1)),
+            "spec.rateLimit.burst: Invalid value: -1: spec.rateLimit.burst in body should be greater than or equal to 0",
+        ),
+        (
+            "zero requests per second",
+            Box::new(|s| s["rateLimit"]["requestsPerSecond"] = json!(0)),
+            "spec.rateLimit.requestsPerSecond: Invalid value: 0: spec.rateLimit.requestsPerSecond in body should be greater than or equal to 1",
+        ),
+        (
+            "rate limit without a rate",
+            Box::new(|s| s["rateLimit"] = json!({ "burst": 3 })),
+            "spec.rateLimit.requestsPerSecond: Required value",
+        ),
+        (
+            "too many rules",
+            Box::new(|s| s["ingressRules"] = Value::Array(vec![json!({}); 33])),
+            "spec.ingressRules: Too many: 33: must have at most 32 items",
+        ),
+        (
+            "too many ports",
+            Box::new(|s| s["ingressRules"][0]["ports"] = Value::Array(vec![json!({ "port": 1 }); 17])),
+            "spec.ingressRules[0].ports: Too many: 17: must have at most 16 items",
+        ),
+        (
+            "peer without ipBlock",
+            Box::new(|s| s["ingressRules"][0]["from"][0] = json!({})),
+            "spec.ingressRules[0].from[0].ipBlock: Required value",
+        ),
     ]
 }
 

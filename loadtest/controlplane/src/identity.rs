@@ -40,7 +40,10 @@ impl ControlPlane {
     pub async fn identity(&self, namespace: &str, name: &str, grants: &[Grant]) -> Result<Identity> {
         let client = self.client().await?;
         let apply = PatchParams::apply("controlplane-harness").force();
-        let ns = Namespace { metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() }, ..Default::default() };
+        let ns = Namespace {
+            metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() },
+            ..Default::default()
+        };
         Api::<Namespace>::all(client.clone()).patch(namespace, &apply, &Patch::Apply(&ns)).await?;
         let sa = ServiceAccount {
             metadata: ObjectMeta { name: Some(name.into()), namespace: Some(namespace.into()), ..Default::default() },
@@ -60,16 +63,25 @@ impl ControlPlane {
                 Grant::Role { namespace, name } => ("Role", name, Some(namespace)),
             };
             let binding_name = format!("{namespace}-{name}-{role_name}");
-            let metadata = ObjectMeta { name: Some(binding_name.clone()), namespace: binding_ns.cloned(), ..Default::default() };
-            let role_ref = RoleRef { api_group: Some("rbac.authorization.k8s.io".into()), kind: role_kind.into(), name: role_name.clone() };
+            let metadata =
+                ObjectMeta { name: Some(binding_name.clone()), namespace: binding_ns.cloned(), ..Default::default() };
+            let role_ref = RoleRef {
+                api_group: Some("rbac.authorization.k8s.io".into()),
+                kind: role_kind.into(),
+                name: role_name.clone(),
+            };
             match binding_ns {
                 None => {
                     let binding = ClusterRoleBinding { metadata, role_ref, subjects: Some(vec![subject.clone()]) };
-                    Api::<ClusterRoleBinding>::all(client.clone()).patch(&binding_name, &apply, &Patch::Apply(&binding)).await?;
+                    Api::<ClusterRoleBinding>::all(client.clone())
+                        .patch(&binding_name, &apply, &Patch::Apply(&binding))
+                        .await?;
                 }
                 Some(ns) => {
                     let binding = RoleBinding { metadata, role_ref, subjects: Some(vec![subject.clone()]) };
-                    Api::<RoleBinding>::namespaced(client.clone(), ns).patch(&binding_name, &apply, &Patch::Apply(&binding)).await?;
+                    Api::<RoleBinding>::namespaced(client.clone(), ns)
+                        .patch(&binding_name, &apply, &Patch::Apply(&binding))
+                        .await?;
                 }
             }
         }

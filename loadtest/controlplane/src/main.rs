@@ -46,7 +46,11 @@ fn run(args: Args) -> anyhow::Result<()> {
     }
     std::fs::copy(cp.kubeconfig_path(), &args.kubeconfig)?;
     let kubeconfig = std::path::absolute(&args.kubeconfig)?;
-    println!("Kubernetes {KUBERNETES_VERSION} control plane ready at {} in {:.1} s", cp.server_url(), started.elapsed().as_secs_f64());
+    println!(
+        "Kubernetes {KUBERNETES_VERSION} control plane ready at {} in {:.1} s",
+        cp.server_url(),
+        started.elapsed().as_secs_f64()
+    );
     println!("  logs and data: {}", cp.dir().display());
     println!("Use it from another shell:");
     println!("  export KUBECONFIG={}", kubeconfig.display());

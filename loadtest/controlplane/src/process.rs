@@ -53,11 +53,8 @@ pub fn spawn_tied_to_this_process(mut command: Command) -> std::io::Result<Child
         });
     }
     let (tx, rx) = mpsc::channel();
-    spawner()
-        .send((command, tx))
-        .map_err(|_| std::io::Error::other("spawner thread is gone"))?;
-    rx.recv()
-        .map_err(|_| std::io::Error::other("spawner thread is gone"))?
+    spawner().send((command, tx)).map_err(|_| std::io::Error::other("spawner thread is gone"))?;
+    rx.recv().map_err(|_| std::io::Error::other("spawner thread is gone"))?
 }
 
 /// One server process with its log file.
@@ -76,11 +73,7 @@ impl Process {
             .open(log_path)
             .with_context(|| format!("{name}: cannot open log file {}", log_path.display()))?;
         let mut command = Command::new(program);
-        command
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
+        command.args(args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
         let child = spawn_tied_to_this_process(command)
             .with_context(|| format!("{name}: cannot start {}", program.display()))?;
         Ok(Self { name, log_path: log_path.to_owned(), child })

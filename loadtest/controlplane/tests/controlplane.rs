@@ -43,7 +43,11 @@ async fn serves_the_pinned_version_and_the_resources_we_need() {
 
     let discovery = kube::Discovery::new(client).run().await.unwrap();
     let has = |group: &str, plural: &str| {
-        discovery.groups().filter(|g| g.name() == group).flat_map(|g| g.recommended_resources()).any(|(r, _)| r.plural == plural)
+        discovery
+            .groups()
+            .filter(|g| g.name() == group)
+            .flat_map(|g| g.recommended_resources())
+            .any(|(r, _)| r.plural == plural)
     };
     assert!(has("coordination.k8s.io", "leases"));
     assert!(has("networking.k8s.io", "networkpolicies"));
@@ -75,7 +79,8 @@ async fn namespace_controller_finishes_deletion() {
     cms.create(&PostParams::default(), &config_map("content")).await.unwrap();
     let namespaces = Api::<Namespace>::all(client);
     namespaces.delete("ns-delete-test", &DeleteParams::default()).await.unwrap();
-    eventually("the namespace is gone", || async { namespaces.get_opt("ns-delete-test").await.unwrap().is_none() }).await;
+    eventually("the namespace is gone", || async { namespaces.get_opt("ns-delete-test").await.unwrap().is_none() })
+        .await;
 }
 
 #[tokio::test]
@@ -84,7 +89,11 @@ async fn restricted_identity_gets_exactly_its_role() {
     let admin = cp.client().await.unwrap();
     namespace(&admin, "rbac-test").await;
     let role = Role {
-        metadata: ObjectMeta { name: Some("cm-reader".into()), namespace: Some("rbac-test".into()), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some("cm-reader".into()),
+            namespace: Some("rbac-test".into()),
+            ..Default::default()
+        },
         rules: Some(vec![PolicyRule {
             api_groups: Some(vec!["".into()]),
             resources: Some(vec!["configmaps".into()]),
@@ -108,10 +117,11 @@ async fn restricted_identity_gets_exactly_its_role() {
 /// Its own control plane: restarting the shared one would disturb the other tests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_survives_an_apiserver_restart() {
-    let cp = tokio::task::spawn_blocking(|| ControlPlane::start(Config { controller_manager: false, ..Config::default() }))
-        .await
-        .unwrap()
-        .unwrap();
+    let cp =
+        tokio::task::spawn_blocking(|| ControlPlane::start(Config { controller_manager: false, ..Config::default() }))
+            .await
+            .unwrap()
+            .unwrap();
     let client = cp.client().await.unwrap();
     let cms = namespace(&client, "restart-test").await;
     let mut names = watcher(cms.clone(), watcher::Config::default())
@@ -158,17 +168,19 @@ async fn next_name(names: &mut (impl futures::Stream<Item = Result<String, watch
 fn an_occupied_port_is_a_clear_error() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
-    let err = ControlPlane::start(Config { apiserver_port: Some(port), controller_manager: false, ..Config::default() })
-        .err()
-        .expect("start must fail")
-        .to_string();
+    let err =
+        ControlPlane::start(Config { apiserver_port: Some(port), controller_manager: false, ..Config::default() })
+            .err()
+            .expect("start must fail")
+            .to_string();
     assert!(err.starts_with(&format!("kube-apiserver: port 127.0.0.1:{port} is already in use (log: ")), "{err}");
     assert!(!err.contains('\n'), "{err}");
 }
 
 #[test]
 fn a_component_that_exits_at_start_is_a_clear_error() {
-    let config = Config { apiserver_args: vec!["--no-such-flag".into()], controller_manager: false, ..Config::default() };
+    let config =
+        Config { apiserver_args: vec!["--no-such-flag".into()], controller_manager: false, ..Config::default() };
     let err = ControlPlane::start(config).err().expect("start must fail").to_string();
     assert!(err.starts_with("kube-apiserver: exited during start-up"), "{err}");
     assert!(err.contains("kube-apiserver.log"), "{err}");
@@ -201,7 +213,8 @@ fn killing_the_owner_process_leaves_no_servers() {
     let mut lines = BufReader::new(owner.stdout.take().unwrap()).lines();
     assert!(lines.next().unwrap().unwrap().contains("control plane ready"));
     let data_line = lines.next().unwrap().unwrap();
-    let data_dir = data_line.trim().strip_prefix("logs and data: ").expect("second line names the data dir").to_string();
+    let data_dir =
+        data_line.trim().strip_prefix("logs and data: ").expect("second line names the data dir").to_string();
     let servers = children_of(owner.id());
     assert_eq!(servers.len(), 3, "etcd, kube-apiserver and kube-controller-manager: {servers:?}");
 
