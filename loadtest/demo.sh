@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The demo: a local control plane, the operator, the sample policies, and their status.
+#
+#   loadtest/demo.sh            # Ctrl-C stops everything
+#
+# Needs Rust, Go (once, to build the control plane) and kubectl.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+state=.controlplane
+mkdir -p "$state"
+export KUBECONFIG="$PWD/$state/kubeconfig"
+pids=()
+cleanup() {
+  trap - EXIT INT TERM
+  echo "stopping..."
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  echo "stopped"
+}
+trap cleanup EXIT INT TERM
+
+echo "[demo] building the operator and the control-plane runner..."
+cargo build -q --bins
+
+echo "[demo] starting the control plane (the first run also builds it from Go modules: minutes)..."
+rm -f "$KUBECONFIG" "$state/controlplane.out"
+target/debug/controlplane --kubeconfig "$KUBECONFIG" >"$state/controlplane.out" &
+pids+=($!)
+until grep -q "control plane ready" "$state/controlplane.out" 2>/dev/null; do
+  kill -0 "${pids[0]}" 2>/dev/null || { cat "$state/controlplane.out"; exit 1; }
+  sleep 0.2
+done
+head -1 "$state/controlplane.out"
+
+kubectl apply -f crds/ >/dev/null
+kubectl wait --for condition=established --timeout=60s crd/applicationtrafficpolicies.trafficpolicy.dev >/dev/null
+
+echo "[demo] starting the operator (logs: $state/operator.log)..."
+target/debug/traffic-policy-operator --log-format text --admin-addr 127.0.0.1:0 >"$state/operator.log" 2>&1 &
+pids+=($!)
+
+kubectl apply -f deploy/samples/
+kubectl wait --for condition=Ready --timeout=60s atp --all -A >/dev/null
+kubectl get atp -A
+echo
+echo "Try it from another shell:"
+echo "  export KUBECONFIG=$KUBECONFIG"
+echo "  kubectl get atp -A; kubectl get networkpolicies,configmaps -n shop"
+echo "Press Ctrl-C to stop everything."
+wait "${pids[0]}"
