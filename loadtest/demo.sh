@@ -36,16 +36,28 @@ head -1 "$state/controlplane.out"
 kubectl apply -f crds/ >/dev/null
 kubectl wait --for condition=established --timeout=60s crd/applicationtrafficpolicies.trafficpolicy.dev >/dev/null
 
-echo "[demo] starting the operator (logs: $state/operator.log)..."
-target/debug/traffic-policy-operator --log-format text --admin-addr 127.0.0.1:0 >"$state/operator.log" 2>&1 &
-pids+=($!)
+operator_ns=traffic-policy-operator
+kubectl create namespace "$operator_ns" >/dev/null
+echo "[demo] starting 3 operator replicas (logs: $state/operator-N.log)..."
+for i in 0 1 2; do
+  target/debug/traffic-policy-operator --pod-name "traffic-policy-operator-$i" --namespace "$operator_ns" \
+    --admin-addr 127.0.0.1:0 --log-format text >"$state/operator-$i.log" 2>&1 &
+  pids+=($!)
+done
 
 kubectl apply -f deploy/samples/
+for team in $(seq 1 9); do
+  kubectl create namespace "team-$team" >/dev/null
+  sed -e "s/namespace: shop/namespace: team-$team/" deploy/samples/web-frontend.yaml | sed -n '/^---$/,$p' | kubectl apply -f - >/dev/null
+done
 kubectl wait --for condition=Ready --timeout=60s atp --all -A >/dev/null
 kubectl get atp -A
+echo
+target/debug/traffic-policy-operator shards --namespace "$operator_ns"
 echo
 echo "Try it from another shell:"
 echo "  export KUBECONFIG=$KUBECONFIG"
 echo "  kubectl get atp -A; kubectl get networkpolicies,configmaps -n shop"
+echo "  target/debug/traffic-policy-operator shards --namespace $operator_ns"
 echo "Press Ctrl-C to stop everything."
 wait "${pids[0]}"

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::shard::{ShardConfig, validate_timings};
 use crate::telemetry::logging::LogFormat;
 
 #[derive(Parser, Debug)]
@@ -25,6 +26,15 @@ pub struct Cli {
 pub enum Command {
     /// Print the CustomResourceDefinition YAML (as committed in crds/).
     Crd,
+    /// Show which replica owns which namespaces.
+    Shards {
+        /// Kubeconfig file (default: the usual lookup).
+        #[arg(long, env = "KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+        /// The operator's namespace.
+        #[arg(long, env = "POD_NAMESPACE", default_value = "traffic-policy-operator")]
+        namespace: String,
+    },
 }
 
 #[derive(Args, Debug, Clone)]
@@ -65,7 +75,102 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_RECONCILE_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub reconcile_timeout: Duration,
 
-    /// This replica's name, used as the event reporter instance (the pod name in a StatefulSet).
-    #[arg(long, env = "POD_NAME", default_value = "traffic-policy-operator")]
-    pub pod_name: String,
+    /// This replica's identity: its Lease holder name and event reporter (the pod name, from
+    /// the downward API in a StatefulSet).
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+
+    /// The operator's own namespace, holding the member and leader Leases and the assignment.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub namespace: Option<String>,
+
+    /// How long a replica's lease lasts without renewal before others take its slice over.
+    #[arg(long, env = "TPO_LEASE_DURATION", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub lease_duration: Duration,
+
+    /// A replica that has not renewed its lease for this long stops all work (fail-stop).
+    #[arg(long, env = "TPO_RENEW_DEADLINE", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub renew_deadline: Duration,
+
+    /// How often leases are renewed and leadership is tried.
+    #[arg(long, env = "TPO_RETRY_PERIOD", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub retry_period: Duration,
+
+    /// Test mode: append a JSON line per reconcile start, API write and reconcile end here.
+    #[arg(long, env = "TPO_AUDIT_LOG")]
+    pub audit_log: Option<PathBuf>,
+}
+
+impl RunArgs {
+    /// The sharding settings, checked: a clear error names what is missing or wrong.
+    pub fn shard_config(&self) -> Result<ShardConfig, String> {
+        let identity =
+            self.pod_name.clone().filter(|n| !n.is_empty()).ok_or(
+                "POD_NAME is not set: set it from the downward API (fieldRef metadata.name) or pass --pod-name",
+            )?;
+        let namespace = self.namespace.clone().filter(|n| !n.is_empty()).ok_or(
+            "POD_NAMESPACE is not set: set it from the downward API (fieldRef metadata.namespace) or pass --namespace",
+        )?;
+        if !is_dns_label(&namespace) {
+            return Err(format!("the operator namespace {namespace:?} is not a valid namespace name (RFC 1123 label)"));
+        }
+        if !is_dns_subdomain(&identity) || identity.len() > 200 {
+            return Err(format!(
+                "POD_NAME {identity:?} is not a valid object name (RFC 1123 subdomain, at most 200 characters)"
+            ));
+        }
+        validate_timings(self.lease_duration, self.renew_deadline, self.retry_period)?;
+        Ok(ShardConfig {
+            identity,
+            namespace,
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+            drain_timeout: self.drain_timeout,
+            watch_namespace: self.watch_namespace.clone(),
+        })
+    }
+}
+
+fn is_dns_label(s: &str) -> bool {
+    (1..=63).contains(&s.len())
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_dns_subdomain(s: &str) -> bool {
+    (1..=253).contains(&s.len()) && s.split('.').all(is_dns_label)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec!["traffic-policy-operator"];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv).unwrap().run
+    }
+
+    #[test]
+    fn missing_or_invalid_identity_and_namespace_are_clear_errors() {
+        // SAFETY: tests in this module do not read these variables concurrently.
+        unsafe {
+            std::env::remove_var("POD_NAME");
+            std::env::remove_var("POD_NAMESPACE");
+        }
+        assert!(args(&["--namespace=ops"]).shard_config().unwrap_err().starts_with("POD_NAME is not set"));
+        assert!(args(&["--pod-name=p-0"]).shard_config().unwrap_err().starts_with("POD_NAMESPACE is not set"));
+        let bad = args(&["--pod-name=p-0", "--namespace=Not_Valid"]).shard_config().unwrap_err();
+        assert!(bad.contains("\"Not_Valid\" is not a valid namespace name"), "{bad}");
+        let ok = args(&["--pod-name=p-0", "--namespace=ops"]).shard_config().unwrap();
+        assert_eq!((ok.lease_duration.as_secs(), ok.renew_deadline.as_secs(), ok.retry_period.as_secs()), (15, 10, 2));
+    }
+
+    #[test]
+    fn timings_are_validated() {
+        let err = args(&["--pod-name=p", "--namespace=ops", "--renew-deadline=20s"]).shard_config().unwrap_err();
+        assert!(err.contains("--lease-duration"), "{err}");
+    }
 }

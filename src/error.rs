@@ -10,6 +10,10 @@ pub enum Error {
     /// An API call failed; it may succeed on retry.
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// This replica no longer owns the object's bucket (handoff or fail-stop); the new owner
+    /// takes over, so there is nothing to retry here.
+    #[error("ownership of the object's bucket was lost")]
+    LostOwnership,
     /// An API call did not answer in time.
     #[error("API call timed out after {0:?}")]
     Timeout(Duration),
@@ -22,6 +26,7 @@ impl Error {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::InvalidSpec(_) => "invalid_spec",
+            Self::LostOwnership => "lost_ownership",
             Self::Timeout(_) => "timeout",
             Self::Kube(kube::Error::Api(status)) => match status.code {
                 403 => "forbidden",
@@ -37,6 +42,11 @@ impl Error {
 
     /// Terminal errors are not retried with backoff; the object waits for a new spec.
     pub fn is_terminal(&self) -> bool {
-        matches!(self, Self::InvalidSpec(_))
+        matches!(self, Self::InvalidSpec(_) | Self::LostOwnership)
+    }
+
+    /// Terminal errors other than lost ownership still resync: the object stays ours.
+    pub fn keeps_resync(&self) -> bool {
+        !matches!(self, Self::LostOwnership)
     }
 }

@@ -4,6 +4,8 @@
 //! The pipeline, one module per stage:
 //! - [`api`]: the custom resource types and their schema;
 //! - [`runtime`]: watch → trimmed cache → generation predicate → work queue → workers;
+//! - [`sharding`]: pure sharding decisions: buckets, the ring, membership, assignment;
+//! - [`shard`]: the sharding protocol's side effects: leases, leader, ownership, handoff;
 //! - [`reconcile`]: the traffic-policy logic, desired objects from the spec (pure), then
 //!   apply, status and events;
 //! - [`telemetry`]: metrics, logs, and the admin server (`/livez`, `/readyz`, `/metrics`);
@@ -15,4 +17,6 @@ pub mod error;
 pub mod manager;
 pub mod reconcile;
 pub mod runtime;
+pub mod shard;
+pub mod sharding;
 pub mod telemetry;

@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use traffic_policy_operator::cli::{Cli, Command};
-use traffic_policy_operator::{api, manager};
+use traffic_policy_operator::{api, manager, shard};
 
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
@@ -14,6 +14,13 @@ async fn main() -> ExitCode {
         Some(Command::Crd) => {
             print!("{}", api::crd_yaml());
             Ok(())
+        }
+        Some(Command::Shards { kubeconfig, namespace }) => {
+            async {
+                let client = manager::client(kubeconfig.as_deref()).await?;
+                shard::status::print(client, &namespace).await
+            }
+            .await
         }
         None => manager::run(cli.run).await,
     };

@@ -1,5 +1,7 @@
-//! The manager: builds the client, telemetry, watches and controller, and runs them until
-//! SIGTERM or SIGINT, then drains. If a critical task fails, the process exits non-zero.
+//! The manager: builds the client, telemetry, sharding, watches and controller, runs them
+//! until SIGTERM or SIGINT, then shuts down in the order that hands work over safely:
+//! drain in-flight reconciles, stop following the assignment, give up every bucket,
+//! release our Lease, and, if leading, publish our buckets' new owners and step down.
 
 use std::sync::Arc;
 
@@ -9,52 +11,106 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Client;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::{reflector, watcher};
+use kube::runtime::reflector;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::ApplicationTrafficPolicy;
 use crate::cli::RunArgs;
 use crate::reconcile::TrafficPolicyReconciler;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::{Controller, Settings, watch};
+use crate::shard::follower::{AssignmentView, Follower};
+use crate::shard::leader::Leader;
+use crate::shard::lease::MemberLease;
+use crate::shard::members::Members;
+use crate::shard::ownership::Ownership;
+use crate::telemetry::audit::Audit;
 use crate::telemetry::{admin, logging, metrics};
 
 pub const CONTROLLER_NAME: &str = "applicationtrafficpolicy";
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let shard = args.shard_config().map_err(anyhow::Error::msg)?;
     logging::init(args.log_format, &args.log_level)?;
     let prometheus = metrics::install()?;
     let admin_listener = admin::bind(args.admin_addr).await?;
-    let client = client(&args).await?;
+    let audit = match &args.audit_log {
+        Some(path) => Audit::open(path, &shard.identity)?,
+        None => Audit::default(),
+    };
+    let client = client(args.kubeconfig.as_deref()).await?;
     let health = Arc::new(admin::Health::default());
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     tokio::spawn(metrics::upkeep(prometheus.clone()));
 
-    let (store, writer) = reflector::store();
-    let primary = watch::primary(
-        api::<ApplicationTrafficPolicy>(&client, &args),
-        watcher::Config::default().any_semantic(),
-        writer,
+    // Sharding: our lease, the member table, the leader, and the assignment follower,
+    // which re-targets the watches below through `selector`.
+    let ownership = Ownership::new(shard.renew_deadline);
+    let members = Arc::new(Members::default());
+    let view = Arc::new(AssignmentView::default());
+    let member_lease = Arc::new(MemberLease::new(client.clone(), &shard, ownership.clone()));
+    let leader = Arc::new(Leader::new(client.clone(), &shard, ownership.clone(), members.clone(), view.clone()));
+    let (selector_tx, selector) = tokio::sync::watch::channel(None);
+    let follower = Follower::new(
+        client.clone(),
+        &shard,
+        ownership.clone(),
+        member_lease.clone(),
+        view.clone(),
+        selector_tx,
+        audit.clone(),
     );
-    let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
+    let stop_lease = CancellationToken::new();
+    let stop_sharding = CancellationToken::new();
+    let members_task = tokio::spawn({
+        let (members, client, namespace) = (members.clone(), client.clone(), shard.namespace.clone());
+        async move { members.watch(client, &namespace).await }
+    });
+    let lease_task = tokio::spawn({
+        let (lease, stop) = (member_lease.clone(), stop_lease.clone());
+        async move { lease.keep(stop).await }
+    });
+    let leader_task = tokio::spawn({
+        let (leader, stop) = (leader.clone(), stop_sharding.clone());
+        async move { leader.run(stop).await }
+    });
+    let follower_task = tokio::spawn(follower.run(stop_sharding.clone()));
+
+    // The controller: watches of our slice only, filtered by the API server.
+    let (store, writer) = reflector::store();
+    let primary = watch::primary(watch::retargetable(api(&client, &args), None, selector.clone()), writer);
+    let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
     let children = vec![
         watch::children(
-            api::<PartialObjectMeta<NetworkPolicy>>(&client, &args),
-            owned.clone(),
+            watch::retargetable(
+                api::<PartialObjectMeta<NetworkPolicy>>(&client, &args),
+                owned.clone(),
+                selector.clone(),
+            ),
             "NetworkPolicy",
             owner_kind,
         )
         .boxed(),
-        watch::children(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, "ConfigMap", owner_kind).boxed(),
+        watch::children(
+            watch::retargetable(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, selector),
+            "ConfigMap",
+            owner_kind,
+        )
+        .boxed(),
     ];
     let child_versions = Arc::new(ChildVersions::default());
-    let reporter = Reporter { controller: "traffic-policy-operator".into(), instance: Some(args.pod_name.clone()) };
-    let reconciler =
-        Arc::new(TrafficPolicyReconciler::new(client.clone(), Recorder::new(client, reporter), child_versions.clone()));
+    let reporter = Reporter { controller: "traffic-policy-operator".into(), instance: Some(shard.identity.clone()) };
+    let recorder = Recorder::new(client.clone(), reporter);
+    let reconciler = Arc::new(TrafficPolicyReconciler::new(
+        client.clone(),
+        recorder,
+        child_versions.clone(),
+        ownership.clone(),
+        audit.clone(),
+    ));
     let settings = Settings {
         name: CONTROLLER_NAME,
         workers: args.workers.into(),
@@ -64,7 +120,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         backoff: Backoff::default(),
     };
     let controller = Controller::new(settings, store, health.clone());
-    tracing::info!(workers = args.workers, "starting");
+    tracing::info!(identity = %shard.identity, namespace = %shard.namespace, workers = args.workers, "starting");
 
     let admin_shutdown = CancellationToken::new();
     let admin = admin::serve(admin_listener, health, prometheus, admin_shutdown.clone());
@@ -73,6 +129,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         result = &mut admin => anyhow::bail!("admin server stopped: {:?}", result.err()),
         () = controller.run(primary, children, child_versions, reconciler, shutdown) => {}
     }
+
+    // Drained. Hand our slice over.
+    stop_sharding.cancel();
+    let _ = follower_task.await;
+    let was_leading = leader_task.await.unwrap_or(false);
+    ownership.set_owned(Default::default());
+    audit.record("owned", &"shutdown", "");
+    stop_lease.cancel();
+    let _ = lease_task.await;
+    member_lease.release().await;
+    if was_leading {
+        leader.hand_over().await;
+    }
+    members_task.abort();
     admin_shutdown.cancel();
     let _ = admin.await;
     tracing::info!("stopped");
@@ -90,8 +160,9 @@ where
     }
 }
 
-async fn client(args: &RunArgs) -> anyhow::Result<Client> {
-    let config = match &args.kubeconfig {
+/// A client from `kubeconfig`, or from the in-cluster config or default kubeconfig.
+pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
+    let config = match kubeconfig {
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)
                 .map_err(|e| anyhow::anyhow!("cannot read kubeconfig {}: {e}", path.display()))?;

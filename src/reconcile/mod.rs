@@ -4,6 +4,9 @@
 //!
 //! Idempotent: applying unchanged children is a no-op on the server (resourceVersions stay
 //! the same), and status is written only when it differs.
+//!
+//! Sharded: a reconcile runs only while this replica owns the policy's bucket, and checks
+//! ownership again right before every write.
 
 pub mod desired;
 pub mod status;
@@ -23,6 +26,9 @@ use crate::api::ApplicationTrafficPolicy;
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, ChildVersions};
 use crate::runtime::{Action, ObjectKey, Reconciler};
+use crate::shard::ownership::{InFlight, Ownership};
+use crate::sharding::bucket::{self, BUCKET_LABEL};
+use crate::telemetry::audit::Audit;
 use status::Outcome;
 
 /// The field manager of every write we make.
@@ -32,24 +38,56 @@ pub struct TrafficPolicyReconciler {
     client: Client,
     recorder: Recorder,
     child_versions: Arc<ChildVersions>,
+    ownership: Arc<Ownership>,
+    audit: Audit,
+}
+
+/// One reconcile's right to write: the bucket's in-flight registration, and the key for
+/// the audit log.
+struct Turn<'a> {
+    in_flight: InFlight,
+    key: &'a ObjectKey,
+    audit: &'a Audit,
+}
+
+impl Turn<'_> {
+    /// Called right before every API write.
+    fn may_write(&self, what: &str) -> Result<()> {
+        if !self.in_flight.still_owned() {
+            self.audit.record("write_refused", self.key, what);
+            return Err(Error::LostOwnership);
+        }
+        self.audit.record("write", self.key, what);
+        Ok(())
+    }
 }
 
 impl TrafficPolicyReconciler {
-    pub fn new(client: Client, recorder: Recorder, child_versions: Arc<ChildVersions>) -> Self {
-        Self { client, recorder, child_versions }
+    pub fn new(
+        client: Client,
+        recorder: Recorder,
+        child_versions: Arc<ChildVersions>,
+        ownership: Arc<Ownership>,
+        audit: Audit,
+    ) -> Self {
+        Self { client, recorder, child_versions, ownership, audit }
     }
 
-    /// Applies both children; returns the strongest effect seen.
-    async fn apply_children(&self, policy: &ApplicationTrafficPolicy) -> Result<Vec<(&'static str, ApplyEffect)>> {
-        let labels = BTreeMap::new();
+    /// Applies both children; returns what each apply did.
+    async fn apply_children(
+        &self,
+        policy: &ApplicationTrafficPolicy,
+        turn: &Turn<'_>,
+    ) -> Result<Vec<(&'static str, ApplyEffect)>> {
+        // Children carry the bucket too, so their watches are filtered by the API server.
+        let labels = BTreeMap::from([(BUCKET_LABEL.to_string(), bucket::label_value(turn.in_flight.bucket))]);
         let namespace = policy.namespace().unwrap_or_default();
         let np = desired::network_policy(policy, &labels);
         let cm = desired::rate_limit_config_map(policy, &labels);
-        let np_effect = self
-            .apply("NetworkPolicy", Api::<NetworkPolicy>::namespaced(self.client.clone(), &namespace), &np, policy)
-            .await?;
-        let cm_effect =
-            self.apply("ConfigMap", Api::<ConfigMap>::namespaced(self.client.clone(), &namespace), &cm, policy).await?;
+        let nps = Api::<NetworkPolicy>::namespaced(self.client.clone(), &namespace);
+        let np_effect = self.apply("NetworkPolicy", nps, &np, policy, turn).await?;
+        let cms = Api::<ConfigMap>::namespaced(self.client.clone(), &namespace);
+        let cm_effect = self.apply("ConfigMap", cms, &cm, policy, turn).await?;
         Ok(vec![("NetworkPolicy", np_effect), ("ConfigMap", cm_effect)])
     }
 
@@ -59,10 +97,12 @@ impl TrafficPolicyReconciler {
         api: Api<C>,
         child: &C,
         policy: &ApplicationTrafficPolicy,
+        turn: &Turn<'_>,
     ) -> Result<ApplyEffect>
     where
         C: Resource + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
     {
+        turn.may_write(kind)?;
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let applied = api.patch(&child.name_any(), &params, &Patch::Apply(child)).await.map_err(|e| match e {
             // The server refused the object as invalid: the spec holds something the CRD
@@ -72,22 +112,18 @@ impl TrafficPolicyReconciler {
             }
             other => Error::Kube(other),
         })?;
-        let key = ObjectKey::of(policy);
-        Ok(self.child_versions.written(
-            kind,
-            &key,
-            &applied.resource_version().unwrap_or_default(),
-            policy.meta().generation,
-        ))
+        let version = applied.resource_version().unwrap_or_default();
+        Ok(self.child_versions.written(kind, turn.key, &version, policy.meta().generation))
     }
 
     /// Writes status if it differs from what the cache holds.
-    async fn write_status(&self, policy: &ApplicationTrafficPolicy, outcome: &Outcome) -> Result<()> {
+    async fn write_status(&self, policy: &ApplicationTrafficPolicy, outcome: &Outcome, turn: &Turn<'_>) -> Result<()> {
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let next = status::next_status(policy.status.as_ref(), policy.meta().generation, outcome, &now);
         if policy.status.as_ref() == Some(&next) {
             return Ok(());
         }
+        turn.may_write("status")?;
         let api =
             Api::<ApplicationTrafficPolicy>::namespaced(self.client.clone(), &policy.namespace().unwrap_or_default());
         let patch = serde_json::json!({ "status": next });
@@ -101,7 +137,17 @@ impl TrafficPolicyReconciler {
 
     /// Publishes an event; failures are logged, never fatal. The recorder aggregates
     /// repeats into a series instead of one event per retry.
-    async fn event(&self, policy: &ApplicationTrafficPolicy, type_: EventType, reason: &str, note: String) {
+    async fn event(
+        &self,
+        policy: &ApplicationTrafficPolicy,
+        turn: &Turn<'_>,
+        type_: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        if turn.may_write("event").is_err() {
+            return;
+        }
         let event =
             Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
         if let Err(error) = self.recorder.publish(&event, &policy.object_ref(&())).await {
@@ -112,55 +158,57 @@ impl TrafficPolicyReconciler {
 
 impl Reconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
     async fn reconcile(&self, policy: Arc<ApplicationTrafficPolicy>) -> Result<Action> {
-        let generation = policy.meta().generation.unwrap_or_default();
         let key = ObjectKey::of(policy.as_ref());
-        let write = self.child_versions.begin_write(&key);
-        let applied = self.apply_children(&policy).await;
+        let bucket = policy.labels().get(BUCKET_LABEL).and_then(|v| bucket::parse_label(v));
+        let Some(in_flight) = bucket.and_then(|b| self.ownership.begin(b)) else {
+            return Ok(Action::Skip);
+        };
+        let turn = Turn { in_flight, key: &key, audit: &self.audit };
+        self.audit.record("reconcile_start", &key, &turn.in_flight.bucket.to_string());
+        let result = self.reconcile_owned(&policy, &turn).await;
+        self.audit.record("reconcile_end", &key, result.as_ref().map_or_else(|e| e.kind(), |_| "ok"));
+        result
+    }
+
+    fn forget(&self, key: &ObjectKey) {
+        self.child_versions.forget_owner(key);
+    }
+}
+
+impl TrafficPolicyReconciler {
+    async fn reconcile_owned(&self, policy: &ApplicationTrafficPolicy, turn: &Turn<'_>) -> Result<Action> {
+        let generation = policy.meta().generation.unwrap_or_default();
+        let write = self.child_versions.begin_write(turn.key);
+        let applied = self.apply_children(policy, turn).await;
         let changed_meanwhile = write.finish();
         match applied {
             Ok(effects) => {
-                self.write_status(&policy, &Outcome::Applied).await?;
+                self.write_status(policy, &Outcome::Applied, turn).await?;
                 for (kind, effect) in effects {
-                    match effect {
-                        ApplyEffect::Repaired => {
-                            self.event(
-                                &policy,
-                                EventType::Normal,
-                                "Repaired",
-                                format!("Restored {kind} after an outside change"),
-                            )
-                            .await
-                        }
+                    let (reason, note) = match effect {
+                        ApplyEffect::Repaired => ("Repaired", format!("Restored {kind} after an outside change")),
                         ApplyEffect::Applied | ApplyEffect::Updated => {
-                            self.event(
-                                &policy,
-                                EventType::Normal,
-                                "Applied",
-                                format!("Applied {kind} for generation {generation}"),
-                            )
-                            .await
+                            ("Applied", format!("Applied {kind} for generation {generation}"))
                         }
-                        ApplyEffect::Unchanged => {}
-                    }
+                        ApplyEffect::Unchanged => continue,
+                    };
+                    self.event(policy, turn, EventType::Normal, reason, note).await;
                 }
                 // Someone changed a child while we wrote it: look again at once.
                 Ok(if changed_meanwhile { Action::RequeueAfter(std::time::Duration::ZERO) } else { Action::Done })
             }
             Err(Error::InvalidSpec(message)) => {
-                self.write_status(&policy, &Outcome::InvalidSpec(message.clone())).await?;
-                self.event(&policy, EventType::Warning, "InvalidSpec", message.clone()).await;
+                self.write_status(policy, &Outcome::InvalidSpec(message.clone()), turn).await?;
+                self.event(policy, turn, EventType::Warning, "InvalidSpec", message.clone()).await;
                 Err(Error::InvalidSpec(message))
             }
+            Err(Error::LostOwnership) => Err(Error::LostOwnership),
             Err(error) => {
                 // Best effort: the API may be what is failing.
-                let _ = self.write_status(&policy, &Outcome::ApplyFailed(error.to_string())).await;
-                self.event(&policy, EventType::Warning, "ApplyFailed", error.to_string()).await;
+                let _ = self.write_status(policy, &Outcome::ApplyFailed(error.to_string()), turn).await;
+                self.event(policy, turn, EventType::Warning, "ApplyFailed", error.to_string()).await;
                 Err(error)
             }
         }
-    }
-
-    fn forget(&self, key: &ObjectKey) {
-        self.child_versions.forget_owner(key);
     }
 }

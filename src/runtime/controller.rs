@@ -37,6 +37,8 @@ pub enum Action {
     Done,
     /// Look again after this long.
     RequeueAfter(Duration),
+    /// Not ours to reconcile (another replica owns it): no resync either.
+    Skip,
 }
 
 /// The business logic plugged into the runtime.
@@ -218,17 +220,22 @@ where
             Ok(action) => {
                 self.queue.forget(key);
                 let (result, delay) = match action {
-                    Action::Done => (ReconcileResult::Success, jittered(self.settings.resync)),
-                    Action::RequeueAfter(delay) => (ReconcileResult::RequeueAfter, delay),
+                    Action::Done => (ReconcileResult::Success, Some(jittered(self.settings.resync))),
+                    Action::RequeueAfter(delay) => (ReconcileResult::RequeueAfter, Some(delay)),
+                    Action::Skip => (ReconcileResult::Skipped, None),
                 };
-                self.queue.add_after(key.clone(), delay, Priority::Low);
+                if let Some(delay) = delay {
+                    self.queue.add_after(key.clone(), delay, Priority::Low);
+                }
                 self.metrics.reconciled(result, took, None);
-                span.record("result", "success");
+                span.record("result", result.label());
                 tracing::debug!("reconciled");
             }
             Err(error) if error.is_terminal() => {
                 self.queue.forget(key);
-                self.queue.add_after(key.clone(), jittered(self.settings.resync), Priority::Low);
+                if error.keeps_resync() {
+                    self.queue.add_after(key.clone(), jittered(self.settings.resync), Priority::Low);
+                }
                 self.metrics.reconciled(ReconcileResult::Error, took, Some(error.kind()));
                 span.record("result", error.kind());
                 tracing::info!(%error, "not retrying until the spec changes");

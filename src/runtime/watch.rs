@@ -1,10 +1,14 @@
 //! Watch sources: the primary resource into a trimmed cache, and children as
 //! metadata-only events that point at their owner.
 //!
-//! Both retry with kube-runtime's default backoff and relist after `410 Gone`.
+//! Both take their label selector from a channel: when this replica's slice changes, the
+//! watch restarts with the new selector, so the API server sends only the slice (a relist
+//! of it; the cache is replaced when the list completes). With no selector, the watch is an
+//! empty list. Both retry with kube-runtime's default backoff and relist after `410 Gone`.
 
 use std::fmt::Debug;
 
+use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, store::Writer};
@@ -28,17 +32,64 @@ pub fn trim<K: Resource>(object: &mut K) {
     }
 }
 
+/// A label selector that can change; `None` selects nothing.
+pub type Selector = tokio::sync::watch::Receiver<Option<String>>;
+
+pub type Events<K> = BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
+
+/// A watch of `api` that restarts whenever `selector` changes. `fixed_labels` are always
+/// required in addition.
+pub fn retargetable<K>(api: Api<K>, fixed_labels: Option<String>, selector: Selector) -> Events<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    let open = move |selector: Option<String>| -> Events<K> {
+        match selector {
+            Some(selector) => {
+                let labels = fixed_labels.as_ref().map_or(selector.clone(), |fixed| format!("{fixed},{selector}"));
+                watcher(api.clone(), watcher::Config::default().any_semantic().labels(&labels)).boxed()
+            }
+            // An empty list: the cache empties and the source counts as synced.
+            None => futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
+                .chain(futures::stream::pending())
+                .boxed(),
+        }
+    };
+    // Nothing is watched until the first selector is published: before that, this replica
+    // does not know its slice, and must not report its cache as synced.
+    let state = (selector, None::<Events<K>>, open, false);
+    futures::stream::unfold(state, |(mut selector, mut current, open, started)| async move {
+        if !started && selector.changed().await.is_err() {
+            return None;
+        }
+        loop {
+            let inner = match &mut current {
+                Some(inner) => inner,
+                None => current.insert(open(selector.borrow_and_update().clone())),
+            };
+            let item = tokio::select! {
+                changed = selector.changed() => match changed {
+                    Ok(()) => None,
+                    Err(_) => return None,
+                },
+                item = inner.next() => Some(item?),
+            };
+            match item {
+                Some(item) => return Some((item, (selector, current, open, true))),
+                None => current = None, // retarget
+            }
+        }
+    })
+    .boxed()
+}
+
 /// Watch events of the primary resource, applied to `writer`'s cache as they pass.
-pub fn primary<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    writer: Writer<K>,
-) -> impl Stream<Item = watcher::Event<K>> + Send
+pub fn primary<K>(events: Events<K>, writer: Writer<K>) -> impl Stream<Item = watcher::Event<K>> + Send
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
-    reflector::reflector(writer, watcher(api, config).default_backoff().modify(trim::<K>)).filter_map(move |event| {
+    reflector::reflector(writer, events.default_backoff().modify(trim::<K>)).filter_map(move |event| {
         let kind = kind.clone();
         async move { event.map_err(|error| tracing::warn!(%kind, %error, "watch failed; retrying with backoff")).ok() }
     })
@@ -64,15 +115,14 @@ pub enum ChildEvent {
 /// Metadata-only events of children whose controller is a `owner_kind`, selected by label
 /// on the server. Nothing is cached: the owner's key is all the runtime needs.
 pub fn children<C>(
-    api: Api<PartialObjectMeta<C>>,
-    config: watcher::Config,
+    events: Events<PartialObjectMeta<C>>,
     kind: &'static str,
     owner_kind: &'static str,
 ) -> impl Stream<Item = ChildEvent> + Send
 where
     C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    watcher(api, config).default_backoff().filter_map(move |event| async move {
+    events.default_backoff().filter_map(move |event| async move {
         let (child, deleted, initial) = match event {
             Ok(watcher::Event::Apply(child)) => (child, false, false),
             Ok(watcher::Event::InitApply(child)) => (child, false, true),

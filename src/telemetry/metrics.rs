@@ -52,6 +52,51 @@ fn describe() {
     describe_gauge!("controller_runtime_max_concurrent_reconciles", "Configured worker count.");
     describe_gauge!("traffic_policy_cached_objects", "Objects held in the operator's cache, by resource.");
     describe_gauge!("traffic_policy_cache_synced", "1 when the watch of a resource has completed its initial list.");
+    describe_gauge!("traffic_policy_lease_held", "1 while this replica's own lease is valid by its renew deadline.");
+    describe_gauge!("leader_election_master_status", "1 while this replica is the leader.");
+    describe_gauge!("traffic_policy_members_alive", "Replicas this replica sees alive, from observed lease renewals.");
+    describe_gauge!("traffic_policy_buckets_owned", "Namespace buckets this replica owns.");
+    describe_counter!("traffic_policy_bucket_handoffs_total", "Buckets acquired or released by this replica.");
+    describe_gauge!("traffic_policy_unowned_buckets", "Buckets no live replica owns (reported by the leader).");
+    describe_counter!(
+        "traffic_policy_unowned_milliseconds_total",
+        "Milliseconds during which some bucket had no live owner (leader)."
+    );
+    describe_counter!("traffic_policy_bucket_labels_total", "Policies the leader labelled with their bucket.");
+}
+
+/// Sharding gauges and counters.
+pub fn set_lease_held(held: bool) {
+    gauge!("traffic_policy_lease_held").set(if held { 1.0 } else { 0.0 });
+}
+
+pub fn set_leader(leading: bool) {
+    gauge!("leader_election_master_status", "name" => "traffic-policy-operator").set(if leading { 1.0 } else { 0.0 });
+}
+
+pub fn set_members_alive(count: usize) {
+    gauge!("traffic_policy_members_alive").set(count as f64);
+}
+
+pub fn set_buckets_owned(count: usize) {
+    gauge!("traffic_policy_buckets_owned").set(count as f64);
+}
+
+pub fn count_handoffs(released: usize, acquired: usize) {
+    counter!("traffic_policy_bucket_handoffs_total", "direction" => "released").increment(released as u64);
+    counter!("traffic_policy_bucket_handoffs_total", "direction" => "acquired").increment(acquired as u64);
+}
+
+/// Reported by the leader; `elapsed` is added to the unowned time when `unowned > 0`.
+pub fn record_unowned(unowned: usize, elapsed: Duration) {
+    gauge!("traffic_policy_unowned_buckets").set(unowned as f64);
+    if unowned > 0 {
+        counter!("traffic_policy_unowned_milliseconds_total").increment(elapsed.as_millis() as u64);
+    }
+}
+
+pub fn count_bucket_label() {
+    counter!("traffic_policy_bucket_labels_total").increment(1);
 }
 
 /// The `workqueue_*` family for one queue.
@@ -114,14 +159,17 @@ pub enum ReconcileResult {
     Success,
     Error,
     RequeueAfter,
+    /// The object belongs to another replica's slice.
+    Skipped,
 }
 
 impl ReconcileResult {
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::Success => "success",
             Self::Error => "error",
             Self::RequeueAfter => "requeue_after",
+            Self::Skipped => "skipped",
         }
     }
 }
@@ -131,7 +179,9 @@ impl ControllerMetrics {
         gauge!("controller_runtime_max_concurrent_reconciles", "controller" => name).set(workers as f64);
         gauge!("controller_runtime_active_workers", "controller" => name).set(0.0);
         // Zero series exist from the start, so rate() and absent() behave.
-        for result in [ReconcileResult::Success, ReconcileResult::Error, ReconcileResult::RequeueAfter] {
+        for result in
+            [ReconcileResult::Success, ReconcileResult::Error, ReconcileResult::RequeueAfter, ReconcileResult::Skipped]
+        {
             counter!("controller_runtime_reconcile_total", "controller" => name, "result" => result.label())
                 .absolute(0);
         }

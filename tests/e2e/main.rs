@@ -4,5 +4,6 @@
 
 mod lifecycle;
 mod restart;
+#[path = "../common/mod.rs"]
 mod support;
 mod validation;

@@ -13,16 +13,13 @@ use crate::support::{Operator, TestEnv, eventually, operator_cluster_role};
 
 async fn versions<K>(api: &Api<K>) -> Vec<(String, String)>
 where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let mut list: Vec<_> = api
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .iter()
-        .map(|o| (o.name_any(), o.resource_version().unwrap()))
-        .collect();
+    // Our children and the policies; not the operator's own coordination objects.
+    let params = ListParams::default().labels("app.kubernetes.io/managed-by=traffic-policy-operator");
+    let params = if K::kind(&()) == "ApplicationTrafficPolicy" { ListParams::default() } else { params };
+    let mut list: Vec<_> =
+        api.list(&params).await.unwrap().items.iter().map(|o| (o.name_any(), o.resource_version().unwrap())).collect();
     list.sort();
     list
 }

@@ -33,6 +33,9 @@ pub const KUBERNETES_VERSION: &str = "v1.36.3";
 
 const READY_TIMEOUT: Duration = Duration::from_secs(90);
 const STOP_GRACE: Duration = Duration::from_secs(10);
+/// kube-apiserver's graceful termination takes about 30 s here (it drains long-running
+/// requests); fault tests want a restart, not a drain, so it gets SIGKILL after this.
+const APISERVER_STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// What to start. `Config::default()` is what the tests use.
 #[derive(Clone, Debug)]
@@ -248,10 +251,11 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Stops kube-apiserver (SIGTERM, then SIGKILL). Its port stays reserved for a restart.
+    /// Stops kube-apiserver (SIGTERM, then SIGKILL after 2 s). Its port stays reserved for a
+    /// restart.
     pub fn stop_apiserver(&self) {
         if let Some(mut p) = lock(&self.apiserver).take() {
-            let _ = p.stop(STOP_GRACE);
+            let _ = p.stop(APISERVER_STOP_GRACE);
         }
     }
 
@@ -275,11 +279,11 @@ impl ControlPlane {
     }
 
     pub fn stop_all(&self) {
-        for slot in [&self.controller_manager, &self.apiserver, &self.etcd] {
-            if let Some(mut p) = lock(slot).take() {
-                let _ = p.stop(STOP_GRACE);
-            }
+        if let Some(mut p) = lock(&self.controller_manager).take() {
+            let _ = p.stop(STOP_GRACE);
         }
+        self.stop_apiserver();
+        self.stop_etcd();
     }
 
     fn launch(&self, name: &'static str, ports: &[u16], args: &[String]) -> Result<Process> {

@@ -1,6 +1,7 @@
-//! Fixtures for the e2e suite: the shared control plane with our CRD and ClusterRole
-//! installed, one namespace per test, and the real operator binary run as a separate
-//! process under the ClusterRole from deploy/.
+//! Fixtures shared by the e2e and sharding suites: the shared control plane with our CRD
+//! and ClusterRole installed, one namespace per test, and the real operator binary run as
+//! a separate process under the roles from deploy/.
+#![allow(dead_code)] // each suite uses its own part
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -8,7 +9,7 @@ use std::time::{Duration, Instant};
 use controlplane::process::Process;
 use controlplane::{ControlPlane, Grant};
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::api::rbac::v1::ClusterRole;
+use k8s_openapi::api::rbac::v1::{ClusterRole, Role};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -61,9 +62,15 @@ impl TestEnv {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// A ServiceAccount bound to deploy/'s ClusterRole (or to `grants` when given).
-    pub async fn operator_identity(&self, name: &str, grants: Option<Vec<Grant>>) -> controlplane::Identity {
-        let grants = grants.unwrap_or_else(|| vec![Grant::ClusterRole(operator_cluster_role().name_any())]);
+    /// A ServiceAccount bound to deploy/'s ClusterRole (or to `cluster_grants` when given)
+    /// and to deploy/'s Role in this namespace, which serves as the operator's namespace.
+    pub async fn operator_identity(&self, name: &str, cluster_grants: Option<Vec<Grant>>) -> controlplane::Identity {
+        let mut role: Role = read_yaml("deploy/role.yaml");
+        role.metadata.namespace = Some(self.namespace.clone());
+        let apply = PatchParams::apply("e2e-tests").force();
+        self.api::<Role>().patch(&role.name_any(), &apply, &Patch::Apply(&role)).await.unwrap();
+        let mut grants = cluster_grants.unwrap_or_else(|| vec![Grant::ClusterRole(operator_cluster_role().name_any())]);
+        grants.push(Grant::Role { namespace: self.namespace.clone(), name: role.name_any() });
         self.cp.identity(&self.namespace, name, &grants).await.unwrap()
     }
 
@@ -126,20 +133,33 @@ pub struct Operator {
 }
 
 impl Operator {
+    /// Starts the operator for `env`'s namespace only, with that namespace as its own.
     pub async fn start(env: &TestEnv, identity: &controlplane::Identity, extra_args: &[&str]) -> Self {
+        let mut args: Vec<String> =
+            vec![format!("--watch-namespace={}", env.namespace), format!("--namespace={}", env.namespace)];
+        args.extend(extra_args.iter().map(|s| s.to_string()));
+        let name = format!("operator-{}", env.namespace);
+        Self::launch(env.cp, identity, &name, &args).await
+    }
+
+    /// Starts replica `name` with `args` plus the common flags, and waits until ready.
+    pub async fn launch(cp: &ControlPlane, identity: &controlplane::Identity, name: &str, args: &[String]) -> Self {
         let admin_port = controlplane::free_port().unwrap();
-        let log = env.cp.dir().join(format!("operator-{}-{admin_port}.log", env.namespace));
-        let mut args: Vec<String> = vec![
+        let log = cp.dir().join(format!("{name}-{admin_port}.log"));
+        let mut all: Vec<String> = vec![
             format!("--kubeconfig={}", identity.kubeconfig_path.display()),
-            format!("--watch-namespace={}", env.namespace),
             format!("--admin-addr=127.0.0.1:{admin_port}"),
-            format!("--pod-name=operator-{admin_port}"),
+            format!("--pod-name={name}"),
             "--log-format=json".into(),
             "--log-level=info".into(),
+            // Short lease timings keep the suites quick; the defaults are client-go's.
+            "--lease-duration=4s".into(),
+            "--renew-deadline=3s".into(),
+            "--retry-period=500ms".into(),
         ];
-        args.extend(extra_args.iter().map(|s| s.to_string()));
+        all.extend(args.iter().cloned());
         let binary = Path::new(env!("CARGO_BIN_EXE_traffic-policy-operator"));
-        let process = Process::start("traffic-policy-operator", binary, &args, &log).unwrap();
+        let process = Process::start("traffic-policy-operator", binary, &all, &log).unwrap();
         let mut operator = Self { process, admin_port };
         let deadline = Instant::now() + DEADLINE;
         while !operator.get("/readyz").is_ok_and(|r| r.contains(" 200 ")) {

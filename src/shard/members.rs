@@ -1,0 +1,70 @@
+//! Watches the member Leases into a [`MemberTable`], timing renewals by our own clock.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{ACK_ANNOTATION, MEMBER_LEASE_PREFIX};
+use crate::sharding::membership::{LeaseState, MemberTable};
+
+#[derive(Default)]
+pub struct Members {
+    table: Mutex<MemberTable>,
+    changed: Notify,
+}
+
+impl Members {
+    /// Runs the watch forever (it retries with backoff).
+    pub async fn watch(&self, client: Client, namespace: &str) {
+        let leases = Api::<Lease>::namespaced(client, namespace);
+        let mut events = watcher(leases, watcher::Config::default()).default_backoff().boxed();
+        while let Some(event) = events.next().await {
+            let now = Instant::now();
+            match event {
+                Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
+                    if let Some(member) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
+                        self.lock().observe(member, lease_state(&lease), now);
+                    }
+                }
+                Ok(watcher::Event::Delete(lease)) => {
+                    if let Some(member) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
+                        self.lock().remove(member);
+                    }
+                }
+                Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
+                Err(error) => tracing::warn!(%error, "member lease watch failed; retrying"),
+            }
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Runs `f` on the table.
+    pub fn with<T>(&self, f: impl FnOnce(&MemberTable) -> T) -> T {
+        f(&self.lock())
+    }
+
+    pub fn changed(&self) -> &Notify {
+        &self.changed
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemberTable> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn lease_state(lease: &Lease) -> LeaseState {
+    let spec = lease.spec.clone().unwrap_or_default();
+    LeaseState {
+        holder: spec.holder_identity,
+        // Compared for change only; the serialized form is as good as any.
+        renew_marker: spec.renew_time.map(|t| serde_json::to_string(&t).unwrap_or_default()),
+        duration: Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64),
+        acked_generation: lease.annotations().get(ACK_ANNOTATION).and_then(|g| g.parse().ok()),
+    }
+}

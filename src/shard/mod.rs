@@ -1,0 +1,83 @@
+//! The side effects of the sharding protocol (the decisions are pure, in `sharding`):
+//! - [`lease`]: this replica's own Lease: renew, acknowledge, release;
+//! - [`members`]: a watch of every member Lease into the local membership table;
+//! - [`leader`]: leader election, and the leader's duties: publishing the assignment and
+//!   labelling new policies with their bucket;
+//! - [`follower`]: applying the published assignment to this replica (drain, acknowledge,
+//!   re-target the watches);
+//! - [`ownership`]: what this replica may reconcile right now, checked before every write;
+//! - [`status`]: the `shards` command's report.
+//!
+//! docs/sharding.md describes the protocol and why no two replicas reconcile one object at once.
+
+pub mod follower;
+pub mod leader;
+pub mod lease;
+pub mod members;
+pub mod ownership;
+pub mod status;
+
+use std::time::Duration;
+
+/// Names of the coordination objects in the operator's namespace.
+pub const MEMBER_LEASE_PREFIX: &str = "traffic-policy-operator-member-";
+pub const LEADER_LEASE: &str = "traffic-policy-operator-leader";
+pub const ASSIGNMENT_CONFIGMAP: &str = "traffic-policy-operator-assignment";
+/// On a member Lease: the assignment generation that member has applied.
+pub const ACK_ANNOTATION: &str = "trafficpolicy.dev/applied-assignment";
+
+/// Who we are and the lease timings, validated by the CLI.
+#[derive(Clone, Debug)]
+pub struct ShardConfig {
+    pub identity: String,
+    pub namespace: String,
+    pub lease_duration: Duration,
+    pub renew_deadline: Duration,
+    pub retry_period: Duration,
+    pub drain_timeout: Duration,
+    /// Limits the leader's labelling to one namespace (the operator's `--watch-namespace`).
+    pub watch_namespace: Option<String>,
+}
+
+impl ShardConfig {
+    pub fn member_lease_name(&self) -> String {
+        format!("{MEMBER_LEASE_PREFIX}{}", self.identity)
+    }
+}
+
+/// client-go's rule: LeaseDuration > RenewDeadline > 1.2 × RetryPeriod.
+pub fn validate_timings(
+    lease_duration: Duration,
+    renew_deadline: Duration,
+    retry_period: Duration,
+) -> Result<(), String> {
+    if lease_duration <= renew_deadline {
+        return Err(format!(
+            "--lease-duration ({lease_duration:?}) must be longer than --renew-deadline ({renew_deadline:?})"
+        ));
+    }
+    if renew_deadline.as_secs_f64() <= 1.2 * retry_period.as_secs_f64() {
+        return Err(format!(
+            "--renew-deadline ({renew_deadline:?}) must be longer than 1.2 × --retry-period ({retry_period:?})"
+        ));
+    }
+    if lease_duration.as_secs() < 1 || lease_duration.subsec_nanos() != 0 {
+        return Err(format!("--lease-duration ({lease_duration:?}) must be a whole number of seconds, at least 1"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timings_follow_client_go_rules() {
+        let s = Duration::from_secs;
+        assert!(validate_timings(s(15), s(10), s(2)).is_ok());
+        assert!(validate_timings(s(4), s(3), Duration::from_millis(500)).is_ok());
+        assert!(validate_timings(s(10), s(10), s(2)).unwrap_err().contains("--lease-duration"));
+        assert!(validate_timings(s(15), s(2), s(2)).unwrap_err().contains("1.2 × --retry-period"));
+        assert!(validate_timings(Duration::from_millis(4500), s(3), s(1)).unwrap_err().contains("whole number"));
+    }
+}

@@ -1,0 +1,67 @@
+//! `traffic-policy-operator shards`: who owns what, read from the cluster as any user would.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, ListParams, PartialObjectMeta};
+use kube::{Client, ResourceExt};
+
+use super::follower::decode;
+use super::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
+use crate::api::ApplicationTrafficPolicy;
+use crate::sharding::assignment::Slot;
+use crate::sharding::bucket::bucket_of;
+
+/// Prints one line per replica: its lease holder, buckets, and the namespaces with
+/// policies that fall in its buckets.
+pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), namespace)
+        .get_opt(ASSIGNMENT_CONFIGMAP)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no assignment in namespace {namespace:?}: is the operator running there?"))?;
+    let (assignment, _) = decode(&cm).ok_or_else(|| anyhow::anyhow!("the assignment is malformed"))?;
+    let leases = Api::<Lease>::namespaced(client.clone(), namespace).list(&ListParams::default()).await?;
+    let holders: BTreeMap<String, bool> = leases
+        .items
+        .iter()
+        .filter_map(|l| {
+            let member = l.name_any().strip_prefix(MEMBER_LEASE_PREFIX)?.to_string();
+            let held = l.spec.as_ref()?.holder_identity.as_deref().is_some_and(|h| !h.is_empty());
+            Some((member, held))
+        })
+        .collect();
+    let policies =
+        Api::<PartialObjectMeta<ApplicationTrafficPolicy>>::all(client).list_metadata(&Default::default()).await?;
+    let mut namespaces: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut unowned: BTreeSet<String> = BTreeSet::new();
+    for policy in &policies.items {
+        let ns = policy.namespace().unwrap_or_default();
+        match &assignment.slots[usize::from(bucket_of(&ns))] {
+            Slot::Owned(member) => {
+                namespaces.entry(member.clone()).or_default().insert(ns);
+            }
+            _ => {
+                unowned.insert(ns);
+            }
+        }
+    }
+    println!("assignment generation {}, {} policies", assignment.generation, policies.items.len());
+    println!("{:<28} {:<9} {:>7}  NAMESPACES", "REPLICA", "LEASE", "BUCKETS");
+    let shares = assignment.shares();
+    let members: BTreeSet<&String> = shares.keys().chain(holders.keys()).collect();
+    for member in members {
+        let lease = match holders.get(member) {
+            Some(true) => "held",
+            Some(false) => "released",
+            None => "none",
+        };
+        let owned = namespaces.get(member).cloned().unwrap_or_default();
+        let list: Vec<&str> = owned.iter().map(String::as_str).collect();
+        println!("{member:<28} {lease:<9} {:>7}  {}", shares.get(member).copied().unwrap_or(0), list.join(","));
+    }
+    if !unowned.is_empty() {
+        println!("{:<28} {:<9} {:>7}  {}", "(moving)", "", "", unowned.into_iter().collect::<Vec<_>>().join(","));
+    }
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! Namespaces to buckets: a fixed, stable hash that every replica computes alike.
+//!
+//! The bucket is `xxh3_64(namespace) mod BUCKETS`. It is written as a label on every
+//! policy (by the leader) and on every child (by the reconcile), so that each replica's
+//! watches ask the API server for its own buckets only. `xxh3` is specified and stable
+//! across Rust releases, unlike std's `DefaultHasher`. Changing `BUCKETS` re-shards every
+//! object: it is part of the on-cluster format.
+
+use xxhash_rust::xxh3::xxh3_64;
+
+/// The number of buckets. Enough for tight balance with up to a few dozen replicas; few
+/// enough that one replica's label selector stays a few kilobytes.
+pub const BUCKETS: u16 = 1024;
+
+/// The label holding an object's bucket.
+pub const BUCKET_LABEL: &str = "trafficpolicy.dev/bucket";
+
+pub type Bucket = u16;
+
+pub fn bucket_of(namespace: &str) -> Bucket {
+    (xxh3_64(namespace.as_bytes()) % u64::from(BUCKETS)) as Bucket
+}
+
+/// The label value for a bucket.
+pub fn label_value(bucket: Bucket) -> String {
+    bucket.to_string()
+}
+
+/// Parses a label value; `None` for anything that is not a bucket.
+pub fn parse_label(value: &str) -> Option<Bucket> {
+    value.parse::<Bucket>().ok().filter(|b| *b < BUCKETS)
+}
+
+/// A label selector matching exactly `buckets`; `None` when the set is empty (nothing
+/// to watch). Owning every bucket is written as the label's existence, a short selector.
+pub fn selector(buckets: &std::collections::BTreeSet<Bucket>) -> Option<String> {
+    if buckets.is_empty() {
+        return None;
+    }
+    if buckets.len() == usize::from(BUCKETS) {
+        return Some(BUCKET_LABEL.to_string());
+    }
+    let values: Vec<String> = buckets.iter().map(|b| b.to_string()).collect();
+    Some(format!("{BUCKET_LABEL} in ({})", values.join(",")))
+}
+
+/// A compact form for logs: `0-5,9,12-20`.
+pub fn ranges(buckets: &std::collections::BTreeSet<Bucket>) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut iter = buckets.iter().copied().peekable();
+    while let Some(start) = iter.next() {
+        let mut end = start;
+        while iter.peek() == Some(&(end + 1)) {
+            end = iter.next().expect("peeked");
+        }
+        parts.push(if start == end { start.to_string() } else { format!("{start}-{end}") });
+    }
+    parts.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn buckets_are_stable_and_in_range() {
+        // Fixed values: a change here re-shards every cluster.
+        assert_eq!(bucket_of("default"), (xxh3_64(b"default") % 1024) as u16);
+        assert_eq!(bucket_of("shop"), bucket_of("shop"));
+        for i in 0..10_000 {
+            assert!(bucket_of(&format!("ns-{i}")) < BUCKETS);
+        }
+    }
+
+    #[test]
+    fn namespaces_spread_evenly_over_buckets() {
+        let mut counts = vec![0u32; usize::from(BUCKETS)];
+        for i in 0..102_400 {
+            counts[usize::from(bucket_of(&format!("team-{i}")))] += 1;
+        }
+        // 100 expected per bucket; a binomial spread stays well within 60..140.
+        assert!(counts.iter().all(|&c| (60..140).contains(&c)), "{:?}", (counts.iter().min(), counts.iter().max()));
+    }
+
+    #[test]
+    fn label_round_trip_and_rejects() {
+        assert_eq!(parse_label(&label_value(1023)), Some(1023));
+        assert_eq!(parse_label("1024"), None);
+        assert_eq!(parse_label("-1"), None);
+        assert_eq!(parse_label("x"), None);
+    }
+
+    #[test]
+    fn ranges_are_compact() {
+        assert_eq!(ranges(&BTreeSet::from([0, 1, 2, 5, 7, 8])), "0-2,5,7-8");
+        assert_eq!(ranges(&BTreeSet::new()), "");
+    }
+
+    #[test]
+    fn selectors() {
+        assert_eq!(selector(&BTreeSet::new()), None);
+        assert_eq!(selector(&BTreeSet::from([3, 1])).unwrap(), "trafficpolicy.dev/bucket in (1,3)");
+        assert_eq!(selector(&(0..BUCKETS).collect()).unwrap(), "trafficpolicy.dev/bucket");
+    }
+}
