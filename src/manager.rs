@@ -80,7 +80,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     // The controller: watches of our slice only, filtered by the API server.
     let (store, writer) = reflector::store();
-    let primary = watch::primary(watch::retargetable(api(&client, &args), None, selector.clone()), writer);
+    let policies = watch::retargetable(api(&client, &args), None, selector.clone());
+    let primary = watch::primary(policies, crate::reconcile::trim_for_cache, writer);
     let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
     let children = vec![

@@ -3,8 +3,10 @@
 //! The schema rejects bad input at the API server with field-specific messages (OpenAPI
 //! bounds plus CEL rules); `crds/` holds the generated YAML, checked against the code by a test.
 
+mod label_map;
 mod traffic_policy;
 
+pub use label_map::LabelMap;
 pub use traffic_policy::*;
 
 /// The API group, shared by the CRD and the labels and annotations we own.

@@ -1,9 +1,10 @@
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 
 use kube::CustomResource;
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Serialize};
+
+use super::LabelMap;
 
 /// Declares the network access and the gateway rate limit of one application.
 ///
@@ -45,7 +46,7 @@ pub struct ApplicationTrafficPolicySpec {
 pub struct ApplicationSelector {
     /// Labels the application's pods carry (1 to 16 entries); values are Kubernetes label values.
     #[schemars(schema_with = "match_labels_schema")]
-    pub match_labels: BTreeMap<String, String>,
+    pub match_labels: LabelMap,
 }
 
 /// One set of allowed sources and ports.

@@ -17,7 +17,7 @@ use kube::api::ObjectMeta;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 
-use crate::api::{ApplicationTrafficPolicy, Peer, PortRule, Protocol, RateLimit};
+use crate::api::{ApplicationTrafficPolicy, LabelMap, Peer, PortRule, Protocol, RateLimit};
 
 /// Marks every object this operator writes; child watches select on it.
 pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
@@ -64,7 +64,7 @@ pub fn network_policy(policy: &ApplicationTrafficPolicy, extra_labels: &BTreeMap
         metadata: child_meta(policy, extra_labels),
         spec: Some(NetworkPolicySpec {
             pod_selector: Some(LabelSelector {
-                match_labels: Some(spec.application_selector.match_labels.clone()),
+                match_labels: Some(spec.application_selector.match_labels.to_btree()),
                 match_expressions: None,
             }),
             // Both types, always: a policy with no rules of a kind denies that direction.
@@ -120,7 +120,7 @@ fn non_empty<T>(items: impl Iterator<Item = T>) -> Option<Vec<T>> {
 struct RateLimitDocument<'a> {
     version: u32,
     policy: String,
-    pod_selector: &'a BTreeMap<String, String>,
+    pod_selector: &'a LabelMap,
     /// `null` means unlimited.
     rate_limit: Option<&'a RateLimit>,
 }
@@ -153,7 +153,7 @@ mod tests {
     }
 
     fn selector() -> ApplicationSelector {
-        ApplicationSelector { match_labels: BTreeMap::from([("app".into(), "web".into())]) }
+        ApplicationSelector { match_labels: [("app", "web")].into_iter().collect() }
     }
 
     fn block(cidr: &str, except: &[&str]) -> Peer {

@@ -34,6 +34,30 @@ use status::Outcome;
 /// The field manager of every write we make.
 pub const FIELD_MANAGER: &str = "traffic-policy-operator";
 
+/// Drops what the reconcile never reads before a policy is cached (the cache holds one per
+/// policy, so every field counts): managed fields, annotations, the creation timestamp,
+/// and labels. The bucket label is kept only when it differs from the one the namespace
+/// implies (set by hand), since [`bucket_of_policy`] falls back to the namespace.
+pub fn trim_for_cache(policy: &mut ApplicationTrafficPolicy) {
+    crate::runtime::watch::trim(policy);
+    let implied = bucket::label_value(bucket::bucket_of(&policy.namespace().unwrap_or_default()));
+    let meta = &mut policy.metadata;
+    meta.annotations = None;
+    meta.creation_timestamp = None;
+    meta.labels = match meta.labels.take().and_then(|mut labels| labels.remove(BUCKET_LABEL)) {
+        Some(label) if label != implied => Some(BTreeMap::from([(BUCKET_LABEL.to_string(), label)])),
+        _ => None,
+    };
+}
+
+/// The bucket a policy belongs to: its label, or, once trimmed, the namespace's bucket.
+pub fn bucket_of_policy(policy: &ApplicationTrafficPolicy) -> Option<bucket::Bucket> {
+    match policy.labels().get(BUCKET_LABEL) {
+        Some(label) => bucket::parse_label(label),
+        None => Some(bucket::bucket_of(&policy.namespace().unwrap_or_default())),
+    }
+}
+
 pub struct TrafficPolicyReconciler {
     client: Client,
     recorder: Recorder,
@@ -159,8 +183,7 @@ impl TrafficPolicyReconciler {
 impl Reconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
     async fn reconcile(&self, policy: Arc<ApplicationTrafficPolicy>) -> Result<Action> {
         let key = ObjectKey::of(policy.as_ref());
-        let bucket = policy.labels().get(BUCKET_LABEL).and_then(|v| bucket::parse_label(v));
-        let Some(in_flight) = bucket.and_then(|b| self.ownership.begin(b)) else {
+        let Some(in_flight) = bucket_of_policy(&policy).and_then(|b| self.ownership.begin(b)) else {
             return Ok(Action::Skip);
         };
         let turn = Turn { in_flight, key: &key, audit: &self.audit };
@@ -210,5 +233,40 @@ impl TrafficPolicyReconciler {
                 Err(error)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{ApplicationSelector, ApplicationTrafficPolicySpec};
+
+    fn policy(namespace: &str, labels: &[(&str, &str)]) -> ApplicationTrafficPolicy {
+        let selector = ApplicationSelector { match_labels: [("app", "web")].into_iter().collect() };
+        let spec = ApplicationTrafficPolicySpec {
+            application_selector: selector,
+            ingress_rules: vec![],
+            egress_rules: vec![],
+            rate_limit: None,
+        };
+        let mut p = ApplicationTrafficPolicy::new("web", spec);
+        p.metadata.namespace = Some(namespace.into());
+        p.metadata.labels = Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        p.metadata.annotations = Some(BTreeMap::from([("note".to_string(), "x".to_string())]));
+        p
+    }
+
+    #[test]
+    fn trimming_keeps_the_bucket_the_reconcile_needs() {
+        let implied = bucket::label_value(bucket::bucket_of("shop"));
+        let mut usual = policy("shop", &[(BUCKET_LABEL, &implied), ("team", "blue")]);
+        trim_for_cache(&mut usual);
+        assert!(usual.metadata.labels.is_none() && usual.metadata.annotations.is_none());
+        assert_eq!(bucket_of_policy(&usual), Some(bucket::bucket_of("shop")));
+
+        let other = if implied == "7" { "8" } else { "7" };
+        let mut by_hand = policy("shop", &[(BUCKET_LABEL, other)]);
+        trim_for_cache(&mut by_hand);
+        assert_eq!(bucket_of_policy(&by_hand), bucket::parse_label(other), "a hand-set bucket wins, as in the watch");
     }
 }

@@ -83,13 +83,18 @@ where
     .boxed()
 }
 
-/// Watch events of the primary resource, applied to `writer`'s cache as they pass.
-pub fn primary<K>(events: Events<K>, writer: Writer<K>) -> impl Stream<Item = watcher::Event<K>> + Send
+/// Watch events of the primary resource, applied to `writer`'s cache as they pass, each
+/// object passed through `trim` first (see [`trim`] for what any resource can lose).
+pub fn primary<K>(
+    events: Events<K>,
+    trim: fn(&mut K),
+    writer: Writer<K>,
+) -> impl Stream<Item = watcher::Event<K>> + Send
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
-    reflector::reflector(writer, events.default_backoff().modify(trim::<K>)).filter_map(move |event| {
+    reflector::reflector(writer, events.default_backoff().modify(trim)).filter_map(move |event| {
         let kind = kind.clone();
         async move { event.map_err(|error| tracing::warn!(%kind, %error, "watch failed; retrying with backoff")).ok() }
     })

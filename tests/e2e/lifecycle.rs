@@ -1,7 +1,5 @@
 //! Create, update, drift, delete: observed through the API server and the metrics.
 
-use std::collections::BTreeMap;
-
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -17,7 +15,7 @@ pub fn policy(name: &str, port: i32) -> ApplicationTrafficPolicy {
     ApplicationTrafficPolicy::new(
         name,
         ApplicationTrafficPolicySpec {
-            application_selector: ApplicationSelector { match_labels: BTreeMap::from([("app".into(), name.into())]) },
+            application_selector: ApplicationSelector { match_labels: [("app", name)].into_iter().collect() },
             ingress_rules: vec![IngressRule {
                 from: vec![Peer {
                     ip_block: IpBlock { cidr: Cidr("10.0.0.0/8".into()), except: vec![Cidr("10.1.0.0/16".into())] },
@@ -142,7 +140,7 @@ async fn a_spec_the_server_refuses_is_reported_and_not_retried() {
     let operator = env.start_operator(&[]).await;
     let mut bad = policy("bad-key", 80);
     // The CRD cannot validate label keys cheaply; the NetworkPolicy validation refuses it.
-    bad.spec.application_selector.match_labels = BTreeMap::from([("not a valid key!".into(), "x".into())]);
+    bad.spec.application_selector.match_labels = [("not a valid key!", "x")].into_iter().collect();
     env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &bad).await.unwrap();
     let reported = env.wait_ready("bad-key", ConditionStatus::False).await;
     let ready = &reported.status.unwrap().conditions[0];

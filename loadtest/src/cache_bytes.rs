@@ -1,0 +1,166 @@
+//! Cached bytes per policy. Creates policies the way users and the operator write them
+//! (a `kubectl apply`-style last-applied annotation, the server's managedFields, a status),
+//! lists them back, then decodes the same JSON into a reflector store twice, once trimmed
+//! as the operator does and once untrimmed, and reads jemalloc's allocated-bytes counter
+//! around each.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, store::Writer};
+use kube::runtime::watcher;
+use serde_json::json;
+use tikv_jemalloc_ctl::{epoch, stats};
+use traffic_policy_operator::api::ApplicationTrafficPolicy;
+use traffic_policy_operator::reconcile::trim_for_cache;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Policies to create and measure.
+    #[arg(long, default_value_t = 5000)]
+    objects: usize,
+    /// Namespaces to spread them over.
+    #[arg(long, default_value_t = 50)]
+    namespaces: usize,
+    /// Where to write the JSON result.
+    #[arg(long, default_value = "target/loadtest/cache-bytes.json")]
+    out: PathBuf,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let config = controlplane::Config { controller_manager: false, ..Default::default() };
+    let cp = tokio::task::spawn_blocking(move || controlplane::ControlPlane::start(config)).await??;
+    let client = cp.client().await?;
+    install_crd(&client).await?;
+
+    let started = Instant::now();
+    create_policies(&client, &args).await?;
+    eprintln!("created {} policies in {:.1} s", args.objects, started.elapsed().as_secs_f64());
+
+    // The JSON of every object, as the API server serves it.
+    let list = Api::<ApplicationTrafficPolicy>::all(client.clone()).list(&ListParams::default()).await?;
+    let raw: Vec<Vec<u8>> = list.items.iter().map(serde_json::to_vec).collect::<Result<_, _>>()?;
+    drop(list);
+    let wire_bytes: usize = raw.iter().map(Vec::len).sum();
+
+    let untrimmed = store_bytes(&raw, false)?;
+    let trimmed = store_bytes(&raw, true)?;
+    let n = raw.len() as f64;
+    let result = json!({
+        "objects": raw.len(),
+        "json_bytes_per_object": wire_bytes as f64 / n,
+        "cached_bytes_per_object_untrimmed": untrimmed as f64 / n,
+        "cached_bytes_per_object_trimmed": trimmed as f64 / n,
+        "trimmed_to_untrimmed_ratio": trimmed as f64 / untrimmed as f64,
+    });
+    println!(
+        "| objects | JSON bytes/object | cached bytes/object, untrimmed | cached bytes/object, trimmed (operator) | ratio |"
+    );
+    println!("|---|---|---|---|---|");
+    println!(
+        "| {} | {:.0} | {:.0} | {:.0} | {:.2} |",
+        raw.len(),
+        wire_bytes as f64 / n,
+        untrimmed as f64 / n,
+        trimmed as f64 / n,
+        trimmed as f64 / untrimmed as f64
+    );
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&result)?)?;
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
+/// Heap bytes held by a reflector store filled from `raw`, as the watch path fills it.
+fn store_bytes(raw: &[Vec<u8>], trimmed: bool) -> anyhow::Result<usize> {
+    let before = allocated()?;
+    let mut writer: Writer<ApplicationTrafficPolicy> = Writer::default();
+    writer.apply_watcher_event(&watcher::Event::Init);
+    for bytes in raw {
+        let mut object: ApplicationTrafficPolicy = serde_json::from_slice(bytes)?;
+        if trimmed {
+            trim_for_cache(&mut object);
+        }
+        writer.apply_watcher_event(&watcher::Event::InitApply(object));
+    }
+    writer.apply_watcher_event(&watcher::Event::InitDone);
+    let store = writer.as_reader();
+    anyhow::ensure!(store.len() == raw.len(), "store holds {} of {}", store.len(), raw.len());
+    let held = allocated()?.saturating_sub(before);
+    drop((store, writer));
+    let _ = reflector::store::<ApplicationTrafficPolicy>;
+    Ok(held)
+}
+
+fn allocated() -> anyhow::Result<usize> {
+    epoch::advance().map_err(|e| anyhow::anyhow!("jemalloc epoch: {e}"))?;
+    stats::allocated::read().map_err(|e| anyhow::anyhow!("jemalloc stats: {e}"))
+}
+
+async fn install_crd(client: &kube::Client) -> anyhow::Result<()> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/applicationtrafficpolicies.trafficpolicy.dev.yaml");
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&std::fs::read_to_string(path)?)?;
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    crds.create(&PostParams::default(), &crd).await?;
+    for _ in 0..600 {
+        let crd = crds.get("applicationtrafficpolicies.trafficpolicy.dev").await?;
+        let established = crd.status.and_then(|s| s.conditions).unwrap_or_default();
+        if established.iter().any(|c| c.type_ == "Established" && c.status == "True") {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("the CRD was not established within 60 s")
+}
+
+/// Creates the policies with a last-applied annotation (as `kubectl apply` does), then
+/// writes a status with a merge patch (as the operator does), 32 requests at a time.
+async fn create_policies(client: &kube::Client, args: &Args) -> anyhow::Result<()> {
+    for n in 0..args.namespaces {
+        let ns = Namespace {
+            metadata: ObjectMeta { name: Some(format!("bench-{n}")), ..Default::default() },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    }
+    futures::stream::iter(0..args.objects)
+        .map(|i| {
+            let client = client.clone();
+            let namespace = format!("bench-{}", i % args.namespaces);
+            async move {
+                let spec = json!({
+                    "applicationSelector": { "matchLabels": { "app": format!("app-{i}"), "tier": "web" } },
+                    "ingressRules": [{ "from": [{ "ipBlock": { "cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"] } }],
+                                       "ports": [{ "protocol": "HTTP", "port": 8080 }] }],
+                    "egressRules": [{ "to": [{ "ipBlock": { "cidr": "10.96.0.0/12" } }], "ports": [{ "protocol": "UDP", "port": 53 }] }],
+                    "rateLimit": { "requestsPerSecond": 100, "burst": 20 }
+                });
+                let manifest = json!({
+                    "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+                    "metadata": { "name": format!("app-{i}"), "namespace": namespace }, "spec": spec
+                });
+                let mut object: ApplicationTrafficPolicy = serde_json::from_value(manifest.clone())?;
+                object.metadata.annotations = Some(
+                    [("kubectl.kubernetes.io/last-applied-configuration".to_string(), manifest.to_string())].into(),
+                );
+                let api = Api::<ApplicationTrafficPolicy>::namespaced(client, &namespace);
+                api.create(&PostParams::default(), &object).await.context("create")?;
+                let status = json!({ "status": { "observedGeneration": 1, "conditions": [{
+                    "type": "Ready", "status": "True", "reason": "Applied",
+                    "message": "NetworkPolicy and rate-limit ConfigMap are in place",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": 1 }] } });
+                api.patch_status(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&status)).await.context("status")?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<()>()
+        .await
+}

@@ -1,0 +1,38 @@
+//! `cargo run --release -p loadtest -- <benchmark>`: benchmarks of traffic-policy-operator
+//! on the real local control plane. Results go to stdout as a table and to a JSON file.
+
+mod cache_bytes;
+mod ownership_cost;
+
+use clap::{Parser, Subcommand};
+
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+#[derive(Parser)]
+#[command(about = "Benchmarks of traffic-policy-operator on a real local control plane")]
+struct Cli {
+    #[command(subcommand)]
+    benchmark: Benchmark,
+}
+
+#[derive(Subcommand)]
+enum Benchmark {
+    /// Heap bytes per cached ApplicationTrafficPolicy, trimmed as the operator stores them and
+    /// untrimmed, measured side by side on the same objects read from the API server.
+    CacheBytes(cache_bytes::Args),
+    /// The per-reconcile cost of the sharding layer's ownership checks.
+    OwnershipCost(ownership_cost::Args),
+}
+
+#[tokio::main]
+async fn main() {
+    let result = match Cli::parse().benchmark {
+        Benchmark::CacheBytes(args) => cache_bytes::run(args).await,
+        Benchmark::OwnershipCost(args) => ownership_cost::run(args).await,
+    };
+    if let Err(error) = result {
+        eprintln!("loadtest: {error:#}");
+        std::process::exit(1);
+    }
+}
