@@ -74,6 +74,7 @@ where
     pub fn new(settings: Settings, store: Store<K>, health: Arc<Health>) -> Self {
         let queue = Arc::new(WorkQueue::new(settings.backoff, QueueMetrics::new(settings.name)));
         let metrics = ControllerMetrics::new(settings.name, settings.workers);
+        metrics::set_cache_synced(settings.name, false);
         Self { settings, queue, store, metrics, health }
     }
 
