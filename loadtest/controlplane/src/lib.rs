@@ -67,7 +67,8 @@ pub struct ControlPlane {
     config: Config,
     bin_dir: PathBuf,
     dir: PathBuf,
-    _temp: tempfile::TempDir,
+    /// Removed on drop; kept when the start fails, so its logs can be read.
+    temp: Option<tempfile::TempDir>,
     ports: Ports,
     admin_token: String,
     ca_pem: String,
@@ -98,7 +99,7 @@ impl ControlPlane {
             config,
             bin_dir,
             dir,
-            _temp: temp,
+            temp: Some(temp),
             ports,
             admin_token,
             ca_pem: pki.ca_pem,
@@ -106,13 +107,25 @@ impl ControlPlane {
             apiserver: Mutex::new(None),
             controller_manager: Mutex::new(None),
         };
-        std::fs::write(cp.kubeconfig_path(), cp.kubeconfig_yaml(&cp.admin_token, "admin"))?;
-        cp.start_etcd()?;
-        cp.start_apiserver()?;
-        if cp.config.controller_manager {
-            cp.start_controller_manager()?;
+        let mut cp = cp;
+        if let Err(error) = cp.boot() {
+            cp.stop_all();
+            if let Some(temp) = cp.temp.take() {
+                let _ = temp.keep();
+            }
+            return Err(error);
         }
         Ok(cp)
+    }
+
+    fn boot(&self) -> Result<()> {
+        std::fs::write(self.kubeconfig_path(), self.kubeconfig_yaml(&self.admin_token, "admin"))?;
+        self.start_etcd()?;
+        self.start_apiserver()?;
+        if self.config.controller_manager {
+            self.start_controller_manager()?;
+        }
+        Ok(())
     }
 
     /// One control plane per test process, started on first use and torn down at exit.
@@ -221,12 +234,10 @@ impl ControlPlane {
         args.extend(self.config.apiserver_args.iter().cloned());
         let mut slot = lock(&self.apiserver);
         let mut apiserver = self.launch("kube-apiserver", &[self.ports.apiserver], &args)?;
-        let url = self.server_url();
         wait_until(&mut apiserver, || {
             self.with_runtime(|| async { self.client().await?.request_text(get("/readyz")?).await.map_err(Into::into) })
                 .is_ok_and(|body| body.trim() == "ok")
-        })
-        .map_err(|e| anyhow!("{e:#} [server {url}]"))?;
+        })?;
         *slot = Some(apiserver);
         Ok(())
     }
