@@ -104,7 +104,7 @@ fn allocated() -> anyhow::Result<usize> {
     stats::allocated::read().map_err(|e| anyhow::anyhow!("jemalloc stats: {e}"))
 }
 
-async fn install_crd(client: &kube::Client) -> anyhow::Result<()> {
+pub async fn install_crd(client: &kube::Client) -> anyhow::Result<()> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/applicationtrafficpolicies.trafficpolicy.dev.yaml");
     let crd: CustomResourceDefinition = serde_yaml::from_str(&std::fs::read_to_string(path)?)?;
     let crds = Api::<CustomResourceDefinition>::all(client.clone());

@@ -3,6 +3,8 @@
 
 mod cache_bytes;
 mod ownership_cost;
+mod run;
+mod sample;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +25,8 @@ enum Benchmark {
     CacheBytes(cache_bytes::Args),
     /// The per-reconcile cost of the sharding layer's ownership checks.
     OwnershipCost(ownership_cost::Args),
+    /// Create policies and measure convergence by the operator (or the API write floor).
+    Run(run::Args),
 }
 
 #[tokio::main]
@@ -30,9 +34,22 @@ async fn main() {
     let result = match Cli::parse().benchmark {
         Benchmark::CacheBytes(args) => cache_bytes::run(args).await,
         Benchmark::OwnershipCost(args) => ownership_cost::run(args).await,
+        Benchmark::Run(args) => run_and_report(args).await,
     };
     if let Err(error) = result {
         eprintln!("loadtest: {error:#}");
         std::process::exit(1);
     }
+}
+
+async fn run_and_report(args: run::Args) -> anyhow::Result<()> {
+    let out = args.out.clone();
+    let result = run::run(args).await?;
+    print!("{}", run::summary(&result));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&result)?)?;
+    eprintln!("wrote {}", out.display());
+    Ok(())
 }

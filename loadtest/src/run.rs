@@ -1,0 +1,453 @@
+//! `loadtest run`: N policies on a fresh local control plane, converged either by the
+//! operator (R replicas, as separate processes) or, in `floor` mode, by the tool itself
+//! making the operator's writes at full concurrency (what the API server can do for this
+//! work). Convergence is seen through a watch: a policy counts once its status is Ready for
+//! its latest generation. Everything it creates lives in its own control plane, which is
+//! torn down at the end, also on Ctrl-C.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::reconcile::{FIELD_MANAGER, desired};
+
+use crate::sample::{self, Sample};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// The operator converges the policies.
+    Operator,
+    /// The tool makes the operator's writes itself (two applies and a status patch per policy).
+    Floor,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    #[arg(long, default_value_t = 1000)]
+    pub objects: usize,
+    #[arg(long, default_value_t = 50)]
+    pub namespaces: usize,
+    #[arg(long, value_enum, default_value = "operator")]
+    pub mode: Mode,
+    /// Operator replicas (operator mode).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Workers per replica (operator mode).
+    #[arg(long, default_value_t = 8)]
+    pub workers: u16,
+    /// Requests the tool keeps in flight while creating (and, in floor mode, writing).
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// After everything converged, change this fraction of the specs and converge again.
+    #[arg(long, default_value_t = 0.0)]
+    pub update_fraction: f64,
+    /// Chaos: SIGKILL replica 0 this many seconds into the run, then start it again.
+    #[arg(long)]
+    pub kill_after: Option<f64>,
+    /// The operator binary (default: next to this one).
+    #[arg(long)]
+    pub operator_binary: Option<PathBuf>,
+    /// Give up when not converged after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    pub timeout_seconds: u64,
+    #[arg(long, default_value = "target/loadtest/run.json")]
+    pub out: PathBuf,
+}
+
+/// Per policy: when its latest generation was sent, and when that generation was Ready.
+#[derive(Default)]
+struct Tracker {
+    sent: HashMap<String, (i64, Instant)>,
+    converged: HashMap<String, (i64, Instant)>,
+    latencies_ms: Vec<f64>,
+}
+
+impl Tracker {
+    fn sent(&mut self, key: String, generation: i64) {
+        self.sent.insert(key, (generation, Instant::now()));
+    }
+
+    fn observed(&mut self, policy: &ApplicationTrafficPolicy) {
+        let key = format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any());
+        let generation = policy.metadata.generation.unwrap_or(0);
+        let ready = policy.status.as_ref().is_some_and(|s| {
+            s.observed_generation == Some(generation)
+                && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
+        });
+        let Some(&(wanted, sent)) = self.sent.get(&key) else { return };
+        if ready && generation >= wanted && self.converged.get(&key).is_none_or(|(g, _)| *g < wanted) {
+            self.converged.insert(key, (wanted, Instant::now()));
+            self.latencies_ms.push(sent.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+
+    fn pending(&self) -> usize {
+        self.sent.iter().filter(|(k, (g, _))| self.converged.get(*k).is_none_or(|(c, _)| c < g)).count()
+    }
+}
+
+struct Replica {
+    name: String,
+    process: controlplane::process::Process,
+    admin_port: u16,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
+    let config = controlplane::Config {
+        controller_manager: false,
+        apiserver_args: vec!["--max-requests-inflight=800".into(), "--max-mutating-requests-inflight=400".into()],
+        ..Default::default()
+    };
+    let cp = tokio::task::spawn_blocking(move || controlplane::ControlPlane::start(config)).await??;
+    eprintln!("control plane: {}", cp.dir().display());
+    let outcome = tokio::select! {
+        result = drive(&cp, &args) => result,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted; cleaning up")),
+    };
+    // Dropping the control plane removes every object and its directory.
+    tokio::task::spawn_blocking(move || drop(cp)).await?;
+    outcome
+}
+
+async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<serde_json::Value> {
+    let client = cp.client().await?;
+    crate::cache_bytes::install_crd(&client).await?;
+    for n in 0..args.namespaces {
+        let ns = Namespace {
+            metadata: ObjectMeta { name: Some(format!("load-{n}")), ..Default::default() },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    }
+    let mut replicas = match args.mode {
+        Mode::Operator => start_replicas(cp, &client, args).await?,
+        Mode::Floor => Vec::new(),
+    };
+
+    let tracker = Arc::new(Mutex::new(Tracker::default()));
+    let watch = tokio::spawn(track(client.clone(), tracker.clone()));
+    let started = Instant::now();
+    let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
+    let pids: Arc<Mutex<Vec<(String, u32, u16)>>> =
+        Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.admin_port)).collect()));
+    let sampler = tokio::spawn(sample_loop(pids.clone(), samples.clone(), started));
+
+    let progress = indicatif::ProgressBar::new(args.objects as u64);
+    progress.set_style(indicatif::ProgressStyle::with_template(
+        "{elapsed_precise} [{bar:40}] {pos}/{len} converged {msg}",
+    )?);
+    let ticker = {
+        let (progress, tracker) = (progress.clone(), tracker.clone());
+        tokio::spawn(async move {
+            loop {
+                let (converged, sent, pending) = {
+                    let t = tracker.lock().unwrap();
+                    (t.converged.len(), t.sent.len(), t.pending())
+                };
+                progress.set_position(converged as u64);
+                progress.set_message(format!("({sent} sent, {pending} pending)"));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+
+    let kill = args.kill_after.map(|after| started + Duration::from_secs_f64(after));
+    create_all(&client, args, &tracker).await?;
+    let creation_seconds = started.elapsed().as_secs_f64();
+    wait_converged(&tracker, args, &mut replicas, cp, kill, &pids).await?;
+    let converge_seconds = started.elapsed().as_secs_f64();
+
+    let mut update_seconds = None;
+    if args.update_fraction > 0.0 {
+        let count = ((args.objects as f64) * args.update_fraction).round() as usize;
+        let update_started = Instant::now();
+        update_some(&client, args, count, &tracker).await?;
+        wait_converged(&tracker, args, &mut replicas, cp, None, &pids).await?;
+        update_seconds = Some(update_started.elapsed().as_secs_f64());
+    }
+    ticker.abort();
+    progress.finish();
+    // The cache gauges refresh every 5 s: let the samples catch up with the settled state.
+    let settle = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < settle && !replicas.is_empty() {
+        let cached: f64 = replicas
+            .iter()
+            .map(|r| {
+                sample::metric(
+                    &controlplane::http_get_plain(r.admin_port, "/metrics").unwrap_or_default(),
+                    "traffic_policy_cached_objects",
+                )
+            })
+            .sum();
+        if cached as usize == args.objects {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sampler.abort();
+    watch.abort();
+    for replica in &mut replicas {
+        replica.process.stop(Duration::from_secs(20));
+    }
+
+    let tracker = tracker.lock().unwrap();
+    let mut latencies = tracker.latencies_ms.clone();
+    latencies.sort_by(f64::total_cmp);
+    let percentile =
+        |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    let samples = samples.lock().unwrap().clone();
+    let per_replica: Vec<serde_json::Value> = pids
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, _, _)| {
+            let mine: Vec<&Sample> = samples.iter().filter(|s| &s.replica == name).collect();
+            json!({
+                "replica": name,
+                "cpu_seconds": mine.iter().map(|s| s.cpu_seconds).fold(0.0, f64::max),
+                "peak_rss_bytes": mine.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
+                "final_cached_objects": mine.last().map(|s| s.cached_objects).unwrap_or(0.0),
+            })
+        })
+        .collect();
+    let converged = tracker.converged.len();
+    let result = json!({
+        "mode": format!("{:?}", args.mode).to_lowercase(),
+        "objects": args.objects,
+        "namespaces": args.namespaces,
+        "replicas": replicas.len(),
+        "workers": args.workers,
+        "converged": converged,
+        "creation_seconds": creation_seconds,
+        "convergence_seconds": converge_seconds,
+        "update_seconds": update_seconds,
+        "throughput_per_second": args.objects as f64 / converge_seconds,
+        "latency_ms": { "p50": percentile(0.5), "p95": percentile(0.95), "p99": percentile(0.99) },
+        "replica_stats": per_replica,
+        "samples": samples,
+    });
+    anyhow::ensure!(converged == args.objects, "only {converged} of {} policies converged", args.objects);
+    Ok(result)
+}
+
+async fn start_replicas(cp: &controlplane::ControlPlane, client: &Client, args: &Args) -> anyhow::Result<Vec<Replica>> {
+    let ns = Namespace {
+        metadata: ObjectMeta { name: Some("tpo-system".into()), ..Default::default() },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    let mut replicas = Vec::new();
+    for i in 0..args.replicas {
+        replicas.push(start_replica(cp, args, &format!("load-{i}")).await?);
+    }
+    Ok(replicas)
+}
+
+async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &str) -> anyhow::Result<Replica> {
+    let binary = match &args.operator_binary {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()?.with_file_name("traffic-policy-operator"),
+    };
+    anyhow::ensure!(
+        binary.is_file(),
+        "no operator binary at {} (build it, or pass --operator-binary)",
+        binary.display()
+    );
+    let admin_port = controlplane::free_port()?;
+    let process_args = vec![
+        format!("--kubeconfig={}", cp.kubeconfig_path().display()),
+        "--namespace=tpo-system".to_string(),
+        format!("--pod-name={name}"),
+        format!("--admin-addr=127.0.0.1:{admin_port}"),
+        format!("--workers={}", args.workers),
+        "--log-level=warn".to_string(),
+    ];
+    let log = cp.dir().join(format!("{name}-{admin_port}.log"));
+    let mut process = controlplane::process::Process::start("traffic-policy-operator", &binary, &process_args, &log)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !controlplane::http_get_plain(admin_port, "/readyz").is_ok_and(|r| r.contains(" 200 ")) {
+        if let Some(status) = process.exited() {
+            return Err(process.failure(&format!("exited at start ({status})")));
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{name} not ready within 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(Replica { name: name.to_string(), process, admin_port })
+}
+
+fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTrafficPolicy> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+        "metadata": { "name": format!("app-{i}"), "namespace": format!("load-{}", i % args.namespaces) },
+        "spec": {
+            "applicationSelector": { "matchLabels": { "app": format!("app-{i}") } },
+            "ingressRules": [{ "from": [{ "ipBlock": { "cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"] } }],
+                               "ports": [{ "protocol": "HTTP", "port": port }] }],
+            "egressRules": [{ "to": [{ "ipBlock": { "cidr": "10.96.0.0/12" } }], "ports": [{ "protocol": "UDP", "port": 53 }] }],
+            "rateLimit": { "requestsPerSecond": 100, "burst": 20 }
+        }
+    }))?)
+}
+
+async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
+    futures::stream::iter(0..args.objects)
+        .map(|i| {
+            let (client, tracker) = (client.clone(), tracker.clone());
+            async move {
+                let policy = policy(i, args, 8080)?;
+                let namespace = policy.namespace().unwrap_or_default();
+                let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
+                tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 1);
+                let created = api.create(&PostParams::default(), &policy).await.context("create")?;
+                if args.mode == Mode::Floor {
+                    write_like_the_operator(&client, &created).await?;
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_collect::<()>()
+        .await
+}
+
+/// The operator's writes for one policy: two server-side applies and a status patch.
+async fn write_like_the_operator(client: &Client, policy: &ApplicationTrafficPolicy) -> anyhow::Result<()> {
+    let namespace = policy.namespace().unwrap_or_default();
+    let labels = Default::default();
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let np = desired::network_policy(policy, &labels);
+    Api::<NetworkPolicy>::namespaced(client.clone(), &namespace)
+        .patch(&policy.name_any(), &params, &Patch::Apply(&np))
+        .await?;
+    let cm = desired::rate_limit_config_map(policy, &labels);
+    Api::<ConfigMap>::namespaced(client.clone(), &namespace)
+        .patch(&policy.name_any(), &params, &Patch::Apply(&cm))
+        .await?;
+    let generation = policy.metadata.generation;
+    let status = json!({ "status": { "observedGeneration": generation, "conditions": [{
+        "type": "Ready", "status": "True", "reason": "Applied", "message": "NetworkPolicy and rate-limit ConfigMap are in place",
+        "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": generation }] } });
+    Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace)
+        .patch_status(&policy.name_any(), &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(())
+}
+
+async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let (client, tracker) = (client.clone(), tracker.clone());
+            async move {
+                let namespace = format!("load-{}", i % args.namespaces);
+                let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
+                let patch = json!({ "spec": { "ingressRules": [{ "ports": [{ "protocol": "TCP", "port": 9090 }] }] } });
+                tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 2);
+                let updated = api.patch(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+                if args.mode == Mode::Floor {
+                    write_like_the_operator(&client, &updated).await?;
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_collect::<()>()
+        .await
+}
+
+async fn wait_converged(
+    tracker: &Arc<Mutex<Tracker>>,
+    args: &Args,
+    replicas: &mut [Replica],
+    cp: &controlplane::ControlPlane,
+    mut kill: Option<Instant>,
+    pids: &Arc<Mutex<Vec<(String, u32, u16)>>>,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_seconds);
+    loop {
+        if tracker.lock().unwrap().pending() == 0 {
+            return Ok(());
+        }
+        if let Some(at) = kill
+            && Instant::now() >= at
+            && !replicas.is_empty()
+        {
+            kill = None;
+            eprintln!("chaos: kill -9 {}", replicas[0].name);
+            replicas[0].process.signal(libc::SIGKILL);
+            replicas[0].process.stop(Duration::from_secs(5));
+            let name = replicas[0].name.clone();
+            replicas[0] = start_replica(cp, args, &name).await?;
+            pids.lock().unwrap()[0].1 = replicas[0].process.pid();
+            pids.lock().unwrap()[0].2 = replicas[0].admin_port;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "not converged after {} s", args.timeout_seconds);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn track(client: Client, tracker: Arc<Mutex<Tracker>>) {
+    let api = Api::<ApplicationTrafficPolicy>::all(client);
+    let mut events = watcher(api, watcher::Config::default()).boxed();
+    while let Some(event) = events.next().await {
+        if let Ok(watcher::Event::Apply(policy) | watcher::Event::InitApply(policy)) = event {
+            tracker.lock().unwrap().observed(&policy);
+        }
+    }
+}
+
+async fn sample_loop(pids: Arc<Mutex<Vec<(String, u32, u16)>>>, samples: Arc<Mutex<Vec<Sample>>>, started: Instant) {
+    loop {
+        let current = pids.lock().unwrap().clone();
+        for (replica, pid, port) in current {
+            let metrics = controlplane::http_get_plain(port, "/metrics").unwrap_or_default();
+            let (rss, _) = sample::memory(pid).unwrap_or_default();
+            samples.lock().unwrap().push(Sample {
+                t: started.elapsed().as_secs_f64(),
+                replica,
+                cpu_seconds: sample::cpu_seconds(pid).unwrap_or_default(),
+                rss_bytes: rss,
+                queue_depth: sample::metric(&metrics, "workqueue_depth"),
+                cached_objects: sample::metric(&metrics, "traffic_policy_cached_objects"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The text summary of one result.
+pub fn summary(result: &serde_json::Value) -> String {
+    let mut text = format!(
+        "{} mode, {} policies in {} namespaces, {} replicas: converged {} in {:.1} s ({:.0}/s); latency p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms\n",
+        result["mode"].as_str().unwrap_or_default(),
+        result["objects"],
+        result["namespaces"],
+        result["replicas"],
+        result["converged"],
+        result["convergence_seconds"].as_f64().unwrap_or_default(),
+        result["throughput_per_second"].as_f64().unwrap_or_default(),
+        result["latency_ms"]["p50"].as_f64().unwrap_or_default(),
+        result["latency_ms"]["p95"].as_f64().unwrap_or_default(),
+        result["latency_ms"]["p99"].as_f64().unwrap_or_default(),
+    );
+    for r in result["replica_stats"].as_array().into_iter().flatten() {
+        text += &format!(
+            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB, {} cached\n",
+            r["replica"].as_str().unwrap_or_default(),
+            r["cpu_seconds"].as_f64().unwrap_or_default(),
+            r["peak_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
+            r["final_cached_objects"]
+        );
+    }
+    text
+}
