@@ -96,6 +96,9 @@ impl Tracker {
     }
 }
 
+/// (replica name, PID, admin port) of each running replica, for the sampler.
+type Watched = Arc<Mutex<Vec<(String, u32, u16)>>>;
+
 struct Replica {
     name: String,
     process: controlplane::process::Process,
@@ -138,7 +141,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     let watch = tokio::spawn(track(client.clone(), tracker.clone()));
     let started = Instant::now();
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
-    let pids: Arc<Mutex<Vec<(String, u32, u16)>>> =
+    let pids: Watched =
         Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.admin_port)).collect()));
     let sampler = tokio::spawn(sample_loop(pids.clone(), samples.clone(), started));
 
@@ -371,7 +374,7 @@ async fn wait_converged(
     replicas: &mut [Replica],
     cp: &controlplane::ControlPlane,
     mut kill: Option<Instant>,
-    pids: &Arc<Mutex<Vec<(String, u32, u16)>>>,
+    pids: &Watched,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_seconds);
     loop {
@@ -406,7 +409,7 @@ async fn track(client: Client, tracker: Arc<Mutex<Tracker>>) {
     }
 }
 
-async fn sample_loop(pids: Arc<Mutex<Vec<(String, u32, u16)>>>, samples: Arc<Mutex<Vec<Sample>>>, started: Instant) {
+async fn sample_loop(pids: Watched, samples: Arc<Mutex<Vec<Sample>>>, started: Instant) {
     loop {
         let current = pids.lock().unwrap().clone();
         for (replica, pid, port) in current {

@@ -207,15 +207,18 @@ impl TrafficPolicyReconciler {
         match applied {
             Ok(effects) => {
                 self.write_status(policy, &Outcome::Applied, turn).await?;
-                for (kind, effect) in effects {
-                    let (reason, note) = match effect {
-                        ApplyEffect::Repaired => ("Repaired", format!("Restored {kind} after an outside change")),
-                        ApplyEffect::Applied | ApplyEffect::Updated => {
-                            ("Applied", format!("Applied {kind} for generation {generation}"))
-                        }
-                        ApplyEffect::Unchanged => continue,
-                    };
-                    self.event(policy, turn, EventType::Normal, reason, note).await;
+                // One event per reconcile that changed something: events are writes too.
+                let kinds = |wanted: &[ApplyEffect]| -> Vec<&str> {
+                    effects.iter().filter(|(_, e)| wanted.contains(e)).map(|(k, _)| *k).collect()
+                };
+                let repaired = kinds(&[ApplyEffect::Repaired]);
+                let applied = kinds(&[ApplyEffect::Applied, ApplyEffect::Updated]);
+                if !repaired.is_empty() {
+                    let note = format!("Restored {} after an outside change", repaired.join(" and "));
+                    self.event(policy, turn, EventType::Normal, "Repaired", note).await;
+                } else if !applied.is_empty() {
+                    let note = format!("Applied {} for generation {generation}", applied.join(" and "));
+                    self.event(policy, turn, EventType::Normal, "Applied", note).await;
                 }
                 // Someone changed a child while we wrote it: look again at once.
                 Ok(if changed_meanwhile { Action::RequeueAfter(std::time::Duration::ZERO) } else { Action::Done })

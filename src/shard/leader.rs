@@ -11,7 +11,7 @@
 //! renewals arriving), so a stalled watch cannot make everyone else look dead.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -195,33 +195,42 @@ async fn label_unlabeled_policies(client: Client, namespace: Option<String>) {
         None => Api::all(client.clone()),
     };
     let config = watcher::Config::default().labels(&format!("!{BUCKET_LABEL}"));
-    let mut events = watcher(api, config).default_backoff().boxed();
-    let mut retry: VecDeque<(String, String)> = VecDeque::new();
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tokio::select! {
-            event = events.next() => match event {
-                Some(Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p))) => {
-                    let key = (p.namespace().unwrap_or_default(), p.name_any());
-                    if !label(&client, &key).await {
-                        retry.push_back(key);
-                    }
+    let events = watcher(api, config).default_backoff();
+    // Labels are independent writes: several in flight, so a burst of new policies is not
+    // held up behind one request at a time. Failures are retried every second.
+    let retry: Mutex<VecDeque<(String, String)>> = Mutex::default();
+    let label_all = events.for_each_concurrent(LABEL_CONCURRENCY, |event| async {
+        match event {
+            Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => {
+                let key = (p.namespace().unwrap_or_default(), p.name_any());
+                if !label(&client, &key).await {
+                    retry.lock().unwrap_or_else(|e| e.into_inner()).push_back(key);
                 }
-                Some(Err(error)) => tracing::warn!(%error, "unlabelled-policy watch failed; retrying"),
-                None => return,
-                _ => {}
-            },
-            _ = tick.tick() => {
-                for _ in 0..retry.len() {
-                    let key = retry.pop_front().expect("counted");
-                    if !label(&client, &key).await {
-                        retry.push_back(key);
-                    }
+            }
+            Err(error) => tracing::warn!(%error, "unlabelled-policy watch failed; retrying"),
+            _ => {}
+        }
+    });
+    let retry_failed = async {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let keys: Vec<_> = retry.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+            for key in keys {
+                if !label(&client, &key).await {
+                    retry.lock().unwrap_or_else(|e| e.into_inner()).push_back(key);
                 }
             }
         }
+    };
+    tokio::select! {
+        () = label_all => {}
+        () = retry_failed => {}
     }
 }
+
+/// Label patches in flight at once while leading.
+const LABEL_CONCURRENCY: usize = 16;
 
 /// True when labelled (or gone).
 async fn label(client: &Client, (namespace, name): &(String, String)) -> bool {
