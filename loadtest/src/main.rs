@@ -2,6 +2,7 @@
 //! on the real local control plane. Results go to stdout as a table and to a JSON file.
 
 mod cache_bytes;
+mod compare;
 mod ownership_cost;
 mod run;
 mod sample;
@@ -27,6 +28,8 @@ enum Benchmark {
     OwnershipCost(ownership_cost::Args),
     /// Create policies and measure convergence by the operator (or the API write floor).
     Run(run::Args),
+    /// The write floor, the operator and its peers on the same policies, with the ratios.
+    Compare(compare::Args),
 }
 
 #[tokio::main]
@@ -35,6 +38,7 @@ async fn main() {
         Benchmark::CacheBytes(args) => cache_bytes::run(args).await,
         Benchmark::OwnershipCost(args) => ownership_cost::run(args).await,
         Benchmark::Run(args) => run_and_report(args).await,
+        Benchmark::Compare(args) => compare::run(args).await,
     };
     if let Err(error) = result {
         eprintln!("loadtest: {error:#}");

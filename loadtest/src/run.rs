@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use clap::ValueEnum;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -29,6 +30,10 @@ pub enum Mode {
     Operator,
     /// The tool makes the operator's writes itself (two applies and a status patch per policy).
     Floor,
+    /// The same reconcile on controller-runtime (loadtest/peers/controller-runtime), one process.
+    ControllerRuntime,
+    /// The same reconcile on a plain kube-rs `Controller` (the `kube-rs-peer` binary), one process.
+    KubeRs,
 }
 
 #[derive(clap::Args, Clone)]
@@ -135,6 +140,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     let mut replicas = match args.mode {
         Mode::Operator => start_replicas(cp, &client, args).await?,
         Mode::Floor => Vec::new(),
+        Mode::ControllerRuntime | Mode::KubeRs => vec![start_peer(cp, args)?],
     };
 
     let tracker = Arc::new(Mutex::new(Tracker::default()));
@@ -182,7 +188,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     progress.finish();
     // The cache gauges refresh every 5 s: let the samples catch up with the settled state.
     let settle = Instant::now() + Duration::from_secs(6);
-    while Instant::now() < settle && !replicas.is_empty() {
+    while Instant::now() < settle && args.mode == Mode::Operator {
         let cached: f64 = replicas
             .iter()
             .map(|r| {
@@ -226,7 +232,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         .collect();
     let converged = tracker.converged.len();
     let result = json!({
-        "mode": format!("{:?}", args.mode).to_lowercase(),
+        "mode": args.mode.to_possible_value().expect("plain variants").get_name().to_string(),
         "objects": args.objects,
         "namespaces": args.namespaces,
         "replicas": replicas.len(),
@@ -287,6 +293,38 @@ async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &str)
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(Replica { name: name.to_string(), process, admin_port })
+}
+
+/// A peer controller: one process, with only a kubeconfig. It has no admin port.
+fn start_peer(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<Replica> {
+    let (name, binary) = match args.mode {
+        Mode::KubeRs => ("kube-rs-peer", std::env::current_exe()?.with_file_name("kube-rs-peer")),
+        _ => ("controller-runtime-peer", controller_runtime_peer()?),
+    };
+    anyhow::ensure!(binary.is_file(), "no peer binary at {}", binary.display());
+    let log = cp.dir().join(format!("{name}.log"));
+    let args = vec!["--kubeconfig".to_string(), cp.kubeconfig_path().display().to_string()];
+    let process = controlplane::process::Process::start(name, &binary, &args, &log)?;
+    Ok(Replica { name: name.into(), process, admin_port: 0 })
+}
+
+/// Builds the controller-runtime peer once (Go, from the module proxy) into target/loadtest.
+fn controller_runtime_peer() -> anyhow::Result<PathBuf> {
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/controller-runtime");
+    let binary = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/loadtest/controller-runtime-peer");
+    if !binary.is_file() {
+        eprintln!("building the controller-runtime peer (once; a minute or two)...");
+        let status = std::process::Command::new("go")
+            .args(["build", "-trimpath", "-o"])
+            .arg(&binary)
+            .arg(".")
+            .current_dir(&source)
+            .env("CGO_ENABLED", "0")
+            .status()
+            .context("running go build for the controller-runtime peer")?;
+        anyhow::ensure!(status.success(), "building the controller-runtime peer failed");
+    }
+    Ok(binary)
 }
 
 fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTrafficPolicy> {
@@ -413,7 +451,11 @@ async fn sample_loop(pids: Watched, samples: Arc<Mutex<Vec<Sample>>>, started: I
     loop {
         let current = pids.lock().unwrap().clone();
         for (replica, pid, port) in current {
-            let metrics = controlplane::http_get_plain(port, "/metrics").unwrap_or_default();
+            let metrics = if port == 0 {
+                String::new()
+            } else {
+                controlplane::http_get_plain(port, "/metrics").unwrap_or_default()
+            };
             let (rss, _) = sample::memory(pid).unwrap_or_default();
             samples.lock().unwrap().push(Sample {
                 t: started.elapsed().as_secs_f64(),

@@ -1,0 +1,107 @@
+//! `loadtest compare`: the same policies, one mode after another in one invocation, each on
+//! a fresh control plane: the API write floor, the operator (one replica, then three), the
+//! controller-runtime peer and the plain kube-rs peer. Prints the ratios that count.
+
+use std::path::PathBuf;
+
+use serde_json::{Value, json};
+
+use crate::run::{self, Mode};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, default_value_t = 5000)]
+    objects: usize,
+    #[arg(long, default_value_t = 100)]
+    namespaces: usize,
+    /// Workers per operator replica.
+    #[arg(long, default_value_t = 8)]
+    workers: u16,
+    #[arg(long, default_value = "target/loadtest/compare.json")]
+    out: PathBuf,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let plan = [
+        ("floor", Mode::Floor, 1),
+        ("operator x1", Mode::Operator, 1),
+        ("controller-runtime", Mode::ControllerRuntime, 1),
+        ("kube-rs Controller", Mode::KubeRs, 1),
+        ("operator x3", Mode::Operator, 3),
+    ];
+    let mut results: Vec<(&str, Value)> = Vec::new();
+    for (label, mode, replicas) in plan {
+        eprintln!("== {label}");
+        let run_args = run::Args {
+            objects: args.objects,
+            namespaces: args.namespaces,
+            mode,
+            replicas,
+            workers: args.workers,
+            concurrency: 64,
+            update_fraction: 0.0,
+            kill_after: None,
+            operator_binary: None,
+            timeout_seconds: 1800,
+            out: PathBuf::new(),
+        };
+        let result = run::run(run_args).await?;
+        eprint!("{}", run::summary(&result));
+        results.push((label, result));
+    }
+
+    let get = |label: &str| &results.iter().find(|(l, _)| *l == label).expect("ran").1;
+    let seconds = |r: &Value| r["convergence_seconds"].as_f64().unwrap_or(f64::NAN);
+    let cpu = |r: &Value| {
+        r["replica_stats"].as_array().map_or(0.0, |a| a.iter().map(|s| s["cpu_seconds"].as_f64().unwrap_or(0.0)).sum())
+    };
+    let peak = |r: &Value| {
+        r["replica_stats"]
+            .as_array()
+            .map_or(0.0, |a| a.iter().map(|s| s["peak_rss_bytes"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max))
+    };
+    println!("| run | converged in | CPU-seconds | peak RSS per process | p50 / p99 latency |");
+    println!("|---|---|---|---|---|");
+    for (label, r) in &results {
+        println!(
+            "| {label} | {:.1} s | {:.1} | {:.1} MiB | {:.0} / {:.0} ms |",
+            seconds(r),
+            cpu(r),
+            peak(r) / 1048576.0,
+            r["latency_ms"]["p50"].as_f64().unwrap_or_default(),
+            r["latency_ms"]["p99"].as_f64().unwrap_or_default()
+        );
+    }
+    let ours = get("operator x1");
+    let three = get("operator x3");
+    let mut ratios = json!({ "convergence_over_floor": seconds(ours) / seconds(get("floor")) });
+    println!();
+    println!("| ratio | value |");
+    println!("|---|---|");
+    println!("| operator convergence / write floor | {:.2} |", ratios["convergence_over_floor"].as_f64().unwrap());
+    for peer in ["controller-runtime", "kube-rs Controller"] {
+        let p = get(peer);
+        let (c, m, t) = (cpu(ours) / cpu(p), peak(ours) / peak(p), seconds(ours) / seconds(p));
+        println!("| operator / {peer}: CPU-seconds | {c:.2} |");
+        println!("| operator / {peer}: peak RSS | {m:.2} |");
+        println!("| operator / {peer}: convergence time | {t:.2} |");
+        ratios[peer] = json!({ "cpu": c, "peak_rss": m, "convergence": t });
+    }
+    let per_replica = peak(three) / peak(ours);
+    println!("| per-replica peak RSS, 3 replicas / 1 replica | {per_replica:.2} |");
+    ratios["three_replica_rss_ratio"] = json!(per_replica);
+
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let all: Vec<Value> = results
+        .into_iter()
+        .map(|(label, mut r)| {
+            r["label"] = json!(label);
+            r
+        })
+        .collect();
+    std::fs::write(&args.out, serde_json::to_string_pretty(&json!({ "ratios": ratios, "runs": all }))?)?;
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
