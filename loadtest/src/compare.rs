@@ -41,9 +41,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             concurrency: 64,
             update_fraction: 0.0,
             kill_after: None,
+            preload: false,
+            edits: 0,
+            delete: false,
             operator_binary: None,
             timeout_seconds: 1800,
-            out: PathBuf::new(),
+            out: args.out.with_file_name(format!("compare-{}.json", label.replace(' ', "-"))),
         };
         let result = run::run(run_args).await?;
         eprint!("{}", run::summary(&result));

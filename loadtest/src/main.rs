@@ -2,6 +2,7 @@
 //! on the real local control plane. Results go to stdout as a table and to a JSON file.
 
 mod cache_bytes;
+mod chart;
 mod compare;
 mod ownership_cost;
 mod run;

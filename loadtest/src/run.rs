@@ -62,6 +62,16 @@ pub struct Args {
     /// The operator binary (default: next to this one).
     #[arg(long)]
     pub operator_binary: Option<PathBuf>,
+    /// Create every policy before the controller starts, so it begins with a full backlog.
+    #[arg(long)]
+    pub preload: bool,
+    /// While the backlog is worked off, edit this many policies one at a time (100 ms apart)
+    /// and report their latency separately: real changes should not wait behind the backlog.
+    #[arg(long, default_value_t = 0)]
+    pub edits: usize,
+    /// At the end, delete every policy and wait until the watch has seen them all go.
+    #[arg(long)]
+    pub delete: bool,
     /// Give up when not converged after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout_seconds: u64,
@@ -75,6 +85,7 @@ struct Tracker {
     sent: HashMap<String, (i64, Instant)>,
     converged: HashMap<String, (i64, Instant)>,
     latencies_ms: Vec<f64>,
+    deleted: usize,
 }
 
 impl Tracker {
@@ -137,15 +148,17 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         };
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
     }
+    let tracker = Arc::new(Mutex::new(Tracker::default()));
+    let watch = tokio::spawn(track(client.clone(), tracker.clone()));
+    let started = Instant::now();
+    if args.preload {
+        create_all(&client, args, &tracker).await?;
+    }
     let mut replicas = match args.mode {
         Mode::Operator => start_replicas(cp, &client, args).await?,
         Mode::Floor => Vec::new(),
         Mode::ControllerRuntime | Mode::KubeRs => vec![start_peer(cp, args)?],
     };
-
-    let tracker = Arc::new(Mutex::new(Tracker::default()));
-    let watch = tokio::spawn(track(client.clone(), tracker.clone()));
-    let started = Instant::now();
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let pids: Watched =
         Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.admin_port)).collect()));
@@ -171,8 +184,11 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     };
 
     let kill = args.kill_after.map(|after| started + Duration::from_secs_f64(after));
-    create_all(&client, args, &tracker).await?;
+    if !args.preload {
+        create_all(&client, args, &tracker).await?;
+    }
     let creation_seconds = started.elapsed().as_secs_f64();
+    let edit_latencies = edit_during_backlog(&client, args, &tracker).await?;
     wait_converged(&tracker, args, &mut replicas, cp, kill, &pids).await?;
     let converge_seconds = started.elapsed().as_secs_f64();
 
@@ -183,6 +199,12 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         update_some(&client, args, count, &tracker).await?;
         wait_converged(&tracker, args, &mut replicas, cp, None, &pids).await?;
         update_seconds = Some(update_started.elapsed().as_secs_f64());
+    }
+    let mut delete_seconds = None;
+    if args.delete {
+        let delete_started = Instant::now();
+        delete_all(&client, args, &tracker).await?;
+        delete_seconds = Some(delete_started.elapsed().as_secs_f64());
     }
     ticker.abort();
     progress.finish();
@@ -227,10 +249,12 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
                 "cpu_seconds": mine.iter().map(|s| s.cpu_seconds).fold(0.0, f64::max),
                 "peak_rss_bytes": mine.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
                 "final_cached_objects": mine.last().map(|s| s.cached_objects).unwrap_or(0.0),
+                "final_metrics_series": mine.last().map(|s| s.series).unwrap_or(0),
             })
         })
         .collect();
     let converged = tracker.converged.len();
+    crate::chart::write(&args.out.with_extension("svg"), &samples, &tracker.converged, started, args.objects)?;
     let result = json!({
         "mode": args.mode.to_possible_value().expect("plain variants").get_name().to_string(),
         "objects": args.objects,
@@ -241,6 +265,8 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         "creation_seconds": creation_seconds,
         "convergence_seconds": converge_seconds,
         "update_seconds": update_seconds,
+        "delete_seconds": delete_seconds,
+        "edit_latency_ms": edit_percentiles(edit_latencies),
         "throughput_per_second": args.objects as f64 / converge_seconds,
         "latency_ms": { "p50": percentile(0.5), "p95": percentile(0.95), "p99": percentile(0.99) },
         "replica_stats": per_replica,
@@ -385,6 +411,64 @@ async fn write_like_the_operator(client: &Client, policy: &ApplicationTrafficPol
     Ok(())
 }
 
+/// Single edits during the backlog, each waited for: their latencies (ms).
+async fn edit_during_backlog(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<Vec<f64>> {
+    let mut latencies = Vec::new();
+    for n in 0..args.edits {
+        let i = (n * 7919) % args.objects; // spread over namespaces and over the backlog
+        let namespace = format!("load-{}", i % args.namespaces);
+        let key = format!("{namespace}/app-{i}");
+        let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
+        let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": 1000 + n } } });
+        let sent = Instant::now();
+        let edited = api.patch(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        let generation = edited.metadata.generation.unwrap_or(0);
+        tracker.lock().unwrap().sent(key.clone(), generation);
+        let deadline = sent + Duration::from_secs(args.timeout_seconds);
+        loop {
+            if tracker.lock().unwrap().converged.get(&key).is_some_and(|(g, _)| *g >= generation) {
+                latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
+                break;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "edit of {key} did not converge");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(latencies)
+}
+
+fn edit_percentiles(mut latencies: Vec<f64>) -> serde_json::Value {
+    if latencies.is_empty() {
+        return serde_json::Value::Null;
+    }
+    latencies.sort_by(f64::total_cmp);
+    let at = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
+    json!({ "count": latencies.len(), "p50": at(0.5), "p99": at(0.99), "max": at(1.0) })
+}
+
+async fn delete_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
+    futures::stream::iter(0..args.objects)
+        .map(|i| {
+            let client = client.clone();
+            async move {
+                let namespace = format!("load-{}", i % args.namespaces);
+                let api = Api::<ApplicationTrafficPolicy>::namespaced(client, &namespace);
+                api.delete(&format!("app-{i}"), &Default::default()).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_collect::<()>()
+        .await?;
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_seconds);
+    while tracker.lock().unwrap().deleted < args.objects {
+        anyhow::ensure!(Instant::now() < deadline, "deletions not all seen");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
 async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
     futures::stream::iter(0..count)
         .map(|i| {
@@ -441,8 +525,12 @@ async fn track(client: Client, tracker: Arc<Mutex<Tracker>>) {
     let api = Api::<ApplicationTrafficPolicy>::all(client);
     let mut events = watcher(api, watcher::Config::default()).boxed();
     while let Some(event) = events.next().await {
-        if let Ok(watcher::Event::Apply(policy) | watcher::Event::InitApply(policy)) = event {
-            tracker.lock().unwrap().observed(&policy);
+        match event {
+            Ok(watcher::Event::Apply(policy) | watcher::Event::InitApply(policy)) => {
+                tracker.lock().unwrap().observed(&policy)
+            }
+            Ok(watcher::Event::Delete(_)) => tracker.lock().unwrap().deleted += 1,
+            _ => {}
         }
     }
 }
@@ -464,6 +552,7 @@ async fn sample_loop(pids: Watched, samples: Arc<Mutex<Vec<Sample>>>, started: I
                 rss_bytes: rss,
                 queue_depth: sample::metric(&metrics, "workqueue_depth"),
                 cached_objects: sample::metric(&metrics, "traffic_policy_cached_objects"),
+                series: sample::series_count(&metrics),
             });
         }
         tokio::time::sleep(Duration::from_millis(500)).await;

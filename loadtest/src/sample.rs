@@ -15,6 +15,8 @@ pub struct Sample {
     pub rss_bytes: u64,
     pub queue_depth: f64,
     pub cached_objects: f64,
+    /// Series in the replica's /metrics exposition (comment lines excluded).
+    pub series: usize,
 }
 
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
@@ -33,6 +35,11 @@ pub fn memory(pid: u32) -> Option<(u64, u64)> {
         Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
     };
     Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// How many series an exposition holds.
+pub fn series_count(exposition: &str) -> usize {
+    exposition.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).count()
 }
 
 /// The sum of every series of `name` in a Prometheus text exposition.
