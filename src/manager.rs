@@ -126,12 +126,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let admin_shutdown = CancellationToken::new();
     let admin = admin::serve(admin_listener, health, prometheus, admin_shutdown.clone());
     let mut admin = std::pin::pin!(admin);
-    tokio::select! {
+    let drained = tokio::select! {
         result = &mut admin => anyhow::bail!("admin server stopped: {:?}", result.err()),
-        () = controller.run(primary, children, child_versions, reconciler, shutdown) => {}
-    }
+        drained = controller.run(primary, children, child_versions, reconciler, shutdown) => drained,
+    };
 
-    // Drained. Hand our slice over.
     stop_sharding.cancel();
     let _ = follower_task.await;
     let was_leading = leader_task.await.unwrap_or(false);
@@ -139,9 +138,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     audit.record("owned", &"shutdown", "");
     stop_lease.cancel();
     let _ = lease_task.await;
-    member_lease.release().await;
-    if was_leading {
-        leader.hand_over().await;
+    if drained {
+        // Hand our slice over at once.
+        member_lease.release().await;
+        if was_leading {
+            leader.hand_over().await;
+        }
+    } else {
+        // A reconcile may still be writing: let our Lease expire instead, so that the
+        // margin between renew deadline and lease duration covers its last request.
+        tracing::warn!("not drained: leaving the Lease to expire instead of handing over");
     }
     members_task.abort();
     admin_shutdown.cancel();

@@ -78,7 +78,8 @@ where
         Self { settings, queue, store, metrics, health }
     }
 
-    /// Runs until `shutdown`, then drains. `primary` must be the stream that feeds `store`.
+    /// Runs until `shutdown`, then drains; returns whether every in-flight reconcile finished.
+    /// `primary` must be the stream that feeds `store`.
     pub async fn run<R: Reconciler<K>>(
         self,
         primary: impl Stream<Item = watcher::Event<K>> + Send + 'static,
@@ -86,7 +87,7 @@ where
         child_versions: Arc<ChildVersions>,
         reconciler: Arc<R>,
         shutdown: CancellationToken,
-    ) {
+    ) -> bool {
         let this = Arc::new(self);
         let mut background =
             vec![tokio::spawn(this.clone().feed_primary(primary)), tokio::spawn(this.clone().update_gauges())];
@@ -101,10 +102,12 @@ where
         this.queue.shut_down();
         let in_flight = this.queue.in_flight();
         tracing::info!(in_flight, "shutting down: draining in-flight reconciles");
-        if tokio::time::timeout(this.settings.drain_timeout, join_all(workers)).await.is_err() {
+        let drained = tokio::time::timeout(this.settings.drain_timeout, join_all(workers)).await.is_ok();
+        if !drained {
             tracing::warn!(timeout = ?this.settings.drain_timeout, "drain deadline passed; abandoning reconciles");
         }
         background.iter().for_each(|task| task.abort());
+        drained
     }
 
     async fn feed_primary(self: Arc<Self>, primary: impl Stream<Item = watcher::Event<K>> + Send) {
@@ -116,10 +119,9 @@ where
         let mut primary = std::pin::pin!(primary);
         while let Some(event) = primary.next().await {
             match event {
-                watcher::Event::Init => {
-                    predicate.begin_relist();
-                    relisted.clear();
-                }
+                // Keys of an interrupted list stay in `relisted`: the predicate has recorded
+                // them, so the next list would not report them again.
+                watcher::Event::Init => predicate.begin_relist(),
                 watcher::Event::InitApply(object) => {
                     let key = ObjectKey::of(&object);
                     if predicate.changed(&key, object.meta().generation) {
@@ -223,7 +225,10 @@ where
                 let (result, delay) = match action {
                     Action::Done => (ReconcileResult::Success, Some(jittered(self.settings.resync))),
                     Action::RequeueAfter(delay) => (ReconcileResult::RequeueAfter, Some(delay)),
-                    Action::Skip => (ReconcileResult::Skipped, None),
+                    // Not ours now; look again later, in case it becomes ours without a relist
+                    // (a lease lapse that ends with the same slice). Gone from the cache, it is
+                    // dropped then.
+                    Action::Skip => (ReconcileResult::Skipped, Some(NOT_OURS_RETRY)),
                 };
                 if let Some(delay) = delay {
                     self.queue.add_after(key.clone(), delay, Priority::Low);
@@ -234,9 +239,8 @@ where
             }
             Err(error) if error.is_terminal() => {
                 self.queue.forget(key);
-                if error.keeps_resync() {
-                    self.queue.add_after(key.clone(), jittered(self.settings.resync), Priority::Low);
-                }
+                let next = if error.keeps_resync() { jittered(self.settings.resync) } else { NOT_OURS_RETRY };
+                self.queue.add_after(key.clone(), next, Priority::Low);
                 self.metrics.reconciled(ReconcileResult::Error, took, Some(error.kind()));
                 span.record("result", error.kind());
                 tracing::info!(%error, "not retrying until the spec changes");
@@ -250,6 +254,9 @@ where
         }
     }
 }
+
+/// When to look again at an object that was not ours to reconcile.
+const NOT_OURS_RETRY: Duration = Duration::from_secs(5);
 
 /// `period` plus up to 10% so that resyncs of objects created together spread out.
 fn jittered(period: Duration) -> Duration {

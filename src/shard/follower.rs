@@ -7,7 +7,6 @@
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -77,6 +76,8 @@ pub struct Follower {
     selector: watch::Sender<Option<String>>,
     /// Whether a selector was published yet; the first one is sent even if empty.
     published: bool,
+    /// Released buckets whose in-flight reconciles have not been seen to finish.
+    undrained: BTreeSet<crate::sharding::bucket::Bucket>,
     acked: Option<u64>,
     audit: Audit,
 }
@@ -100,6 +101,7 @@ impl Follower {
             configmaps,
             selector,
             published: false,
+            undrained: BTreeSet::new(),
             acked: None,
             audit,
         }
@@ -110,7 +112,9 @@ impl Follower {
         let mut events =
             watcher(self.configmaps.clone(), watcher::Config::default().fields(&selector)).default_backoff().boxed();
         loop {
-            let wake_at = self.ownership.valid_until().unwrap_or_else(|| Instant::now() + self.config.retry_period);
+            // Wake at the renew deadline to fail-stop on time; once past it, a renewal wakes us.
+            let later = Instant::now() + self.config.retry_period;
+            let wake_at = self.ownership.valid_until().filter(|t| *t > Instant::now()).unwrap_or(later);
             tokio::select! {
                 event = events.next() => match event {
                     Some(Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm))) => {
@@ -123,28 +127,36 @@ impl Follower {
                 },
                 _ = self.view.changed().notified() => {}
                 _ = self.ownership.changed().notified() => {}
-                _ = tokio::time::sleep_until(wake_at.max(Instant::now() + Duration::from_millis(10))) => {}
+                _ = tokio::time::sleep_until(wake_at) => {}
                 _ = tokio::time::sleep(self.config.retry_period) => {}
                 _ = stop.cancelled() => return,
             }
             let after_lapse = self.ownership.take_needs_fresh_assignment();
-            if after_lapse {
-                self.read_fresh().await;
+            if after_lapse && !self.read_fresh().await {
+                // Without a fresh read, own nothing and try again.
+                self.ownership.require_fresh_assignment();
+                continue;
             }
             self.apply(after_lapse).await;
         }
     }
 
-    /// After a lapse, a quorum read: the watch may still hold an older assignment.
-    async fn read_fresh(&self) {
+    /// After a lapse, a quorum read: the watch may still hold an older assignment. True
+    /// when the view now holds what the API server has.
+    async fn read_fresh(&self) -> bool {
         match self.configmaps.get_opt(ASSIGNMENT_CONFIGMAP).await {
-            Ok(Some(cm)) => {
-                if let Some((assignment, rv)) = decode(&cm) {
+            Ok(Some(cm)) => match decode(&cm) {
+                Some((assignment, rv)) => {
                     self.view.offer(assignment, rv);
+                    true
                 }
+                None => false,
+            },
+            Ok(None) => false,
+            Err(error) => {
+                tracing::warn!(%error, "reading the assignment failed");
+                false
             }
-            Ok(None) => {}
-            Err(error) => tracing::warn!(%error, "reading the assignment failed"),
         }
     }
 
@@ -156,6 +168,7 @@ impl Follower {
             _ => BTreeSet::new(),
         };
         let (released, acquired) = self.ownership.set_owned(owned.clone());
+        self.undrained.extend(released.iter().copied());
         if !released.is_empty() || !acquired.is_empty() || !self.published || after_lapse {
             let generation = assignment.as_ref().map_or(0, |a| a.generation);
             self.audit.record("owned", &generation, &bucket::ranges(&owned));
@@ -166,9 +179,15 @@ impl Follower {
                 "ownership changed"
             );
         }
-        if !released.is_empty() && !self.ownership.drained(&released, self.config.drain_timeout).await {
-            tracing::warn!("in-flight reconciles of released buckets outlived the drain timeout");
+        // Buckets we gave up may not be acknowledged while a reconcile of theirs still runs,
+        // however long that takes: the acknowledgement is what lets another replica start.
+        let undrained: BTreeSet<_> = self.undrained.difference(&owned).copied().collect();
+        if !undrained.is_empty() && !self.ownership.drained(&undrained, self.config.drain_timeout).await {
+            tracing::warn!("in-flight reconciles of released buckets are still running; not acknowledging yet");
+            self.undrained = undrained;
+            return;
         }
+        self.undrained.clear();
         let selector = bucket::selector(&owned);
         let first = !std::mem::replace(&mut self.published, true);
         self.selector.send_if_modified(|current| {

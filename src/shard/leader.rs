@@ -10,7 +10,7 @@
 //! others expired only while its view of the member Leases is current (it sees its own
 //! renewals arriving), so a stalled watch cannot make everyone else look dead.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -141,8 +141,8 @@ impl Leader {
             let current = table.since_last_change(me, now).is_some_and(|d| d < self.config.renew_deadline);
             (alive, acked, current)
         });
-        if !view_current && leaving.is_none() {
-            tracing::debug!("member view is stale; not judging anyone expired");
+        if !view_current || !self.members.synced() {
+            tracing::debug!("member view is incomplete or stale; not judging anyone expired");
             return;
         }
         if let Some(member) = leaving {
@@ -172,7 +172,15 @@ impl Leader {
             ..Default::default()
         };
         let result = match resource_version {
-            Some(_) => self.configmaps.replace(ASSIGNMENT_CONFIGMAP, &PostParams::default(), &cm).await,
+            Some(_) => match self.configmaps.replace(ASSIGNMENT_CONFIGMAP, &PostParams::default(), &cm).await {
+                // Deleted by someone: publish it again, keeping the generation count.
+                Err(kube::Error::Api(s)) if s.code == 404 => {
+                    let mut cm = cm;
+                    cm.metadata.resource_version = None;
+                    self.configmaps.create(&PostParams::default(), &cm).await
+                }
+                other => other,
+            },
             None => self.configmaps.create(&PostParams::default(), &cm).await,
         };
         match result {
@@ -198,13 +206,13 @@ async fn label_unlabeled_policies(client: Client, namespace: Option<String>) {
     let events = watcher(api, config).default_backoff();
     // Labels are independent writes: several in flight, so a burst of new policies is not
     // held up behind one request at a time. Failures are retried every second.
-    let retry: Mutex<VecDeque<(String, String)>> = Mutex::default();
+    let retry: Mutex<BTreeSet<(String, String)>> = Mutex::default();
     let label_all = events.for_each_concurrent(LABEL_CONCURRENCY, |event| async {
         match event {
             Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => {
                 let key = (p.namespace().unwrap_or_default(), p.name_any());
                 if !label(&client, &key).await {
-                    retry.lock().unwrap_or_else(|e| e.into_inner()).push_back(key);
+                    retry.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
                 }
             }
             Err(error) => tracing::warn!(%error, "unlabelled-policy watch failed; retrying"),
@@ -215,10 +223,10 @@ async fn label_unlabeled_policies(client: Client, namespace: Option<String>) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
-            let keys: Vec<_> = retry.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+            let keys = std::mem::take(&mut *retry.lock().unwrap_or_else(|e| e.into_inner()));
             for key in keys {
                 if !label(&client, &key).await {
-                    retry.lock().unwrap_or_else(|e| e.into_inner()).push_back(key);
+                    retry.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
                 }
             }
         }

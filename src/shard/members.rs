@@ -17,6 +17,8 @@ use crate::sharding::membership::{LeaseState, MemberTable};
 pub struct Members {
     table: Mutex<MemberTable>,
     changed: Notify,
+    /// Set once the first list is complete: before that, absent members are unknown, not dead.
+    synced: std::sync::atomic::AtomicBool,
 }
 
 impl Members {
@@ -37,7 +39,8 @@ impl Members {
                         self.lock().remove(member);
                     }
                 }
-                Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
+                Ok(watcher::Event::InitDone) => self.synced.store(true, std::sync::atomic::Ordering::Release),
+                Ok(watcher::Event::Init) => {}
                 Err(error) => tracing::warn!(%error, "member lease watch failed; retrying"),
             }
             self.changed.notify_waiters();
@@ -51,6 +54,10 @@ impl Members {
 
     pub fn changed(&self) -> &Notify {
         &self.changed
+    }
+
+    pub fn synced(&self) -> bool {
+        self.synced.load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, MemberTable> {

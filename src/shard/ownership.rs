@@ -69,11 +69,12 @@ impl Ownership {
         Some(InFlight { ownership: self.clone(), bucket })
     }
 
-    /// Records a successful renewal that started at `started`. After a lapse, everything
-    /// owned is dropped first: the replica has fail-stopped and must re-read the assignment.
+    /// Records a successful renewal that started at `started`. If the deadline passed before
+    /// it *completed* (now), the replica fail-stopped meanwhile, and the leader may have
+    /// moved its buckets: everything owned is dropped, to be re-read from the assignment.
     pub fn renewed(&self, started: Instant) {
         let mut state = self.lock();
-        if !state.valid_at(started, self.renew_deadline) && state.last_renewal.is_some() {
+        if !state.valid_at(Instant::now(), self.renew_deadline) && state.last_renewal.is_some() {
             tracing::warn!("lease lapsed past the renew deadline: dropped every bucket (fail-stop)");
             state.owned.clear();
             state.needs_fresh_assignment = true;
@@ -89,6 +90,13 @@ impl Ownership {
     /// True once after a lapse: the caller must apply a freshly read assignment.
     pub fn take_needs_fresh_assignment(&self) -> bool {
         std::mem::take(&mut self.lock().needs_fresh_assignment)
+    }
+
+    /// The fresh read failed: own nothing, and ask again.
+    pub fn require_fresh_assignment(&self) {
+        let mut state = self.lock();
+        state.owned.clear();
+        state.needs_fresh_assignment = true;
     }
 
     /// Replaces the owned set; returns (released, acquired).
