@@ -13,14 +13,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::ValueEnum;
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
-use traffic_policy_operator::reconcile::{FIELD_MANAGER, desired};
+use traffic_policy_operator::reconcile::FIELD_MANAGER;
 
 use crate::sample::{self, Sample};
 
@@ -378,7 +377,7 @@ async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>)
                 tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 1);
                 let created = api.create(&PostParams::default(), &policy).await.context("create")?;
                 if args.mode == Mode::Floor {
-                    write_like_the_operator(&client, &created).await?;
+                    loadtest::writes::converge(&client, &created, FIELD_MANAGER).await?;
                 }
                 anyhow::Ok(())
             }
@@ -386,29 +385,6 @@ async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>)
         .buffer_unordered(args.concurrency)
         .try_collect::<()>()
         .await
-}
-
-/// The operator's writes for one policy: two server-side applies and a status patch.
-async fn write_like_the_operator(client: &Client, policy: &ApplicationTrafficPolicy) -> anyhow::Result<()> {
-    let namespace = policy.namespace().unwrap_or_default();
-    let labels = Default::default();
-    let params = PatchParams::apply(FIELD_MANAGER).force();
-    let np = desired::network_policy(policy, &labels);
-    Api::<NetworkPolicy>::namespaced(client.clone(), &namespace)
-        .patch(&policy.name_any(), &params, &Patch::Apply(&np))
-        .await?;
-    let cm = desired::rate_limit_config_map(policy, &labels);
-    Api::<ConfigMap>::namespaced(client.clone(), &namespace)
-        .patch(&policy.name_any(), &params, &Patch::Apply(&cm))
-        .await?;
-    let generation = policy.metadata.generation;
-    let status = json!({ "status": { "observedGeneration": generation, "conditions": [{
-        "type": "Ready", "status": "True", "reason": "Applied", "message": "NetworkPolicy and rate-limit ConfigMap are in place",
-        "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": generation }] } });
-    Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace)
-        .patch_status(&policy.name_any(), &PatchParams::default(), &Patch::Merge(&status))
-        .await?;
-    Ok(())
 }
 
 /// Single edits during the backlog, each waited for: their latencies (ms).
@@ -480,7 +456,7 @@ async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<M
                 tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 2);
                 let updated = api.patch(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&patch)).await?;
                 if args.mode == Mode::Floor {
-                    write_like_the_operator(&client, &updated).await?;
+                    loadtest::writes::converge(&client, &updated, FIELD_MANAGER).await?;
                 }
                 anyhow::Ok(())
             }

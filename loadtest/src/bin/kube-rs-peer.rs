@@ -3,40 +3,20 @@
 //! state, applies the children and patches status, and nothing else (no sharding, no
 //! trimming, no queue of its own).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::api::{Api, Patch, PatchParams};
+use kube::Client;
+use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
-use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
-use traffic_policy_operator::reconcile::desired;
 
 async fn reconcile(policy: Arc<ApplicationTrafficPolicy>, client: Arc<Client>) -> Result<Action, kube::Error> {
-    let namespace = policy.namespace().unwrap_or_default();
-    let params = PatchParams::apply("kube-rs-peer").force();
-    let labels = BTreeMap::new();
-    let np = desired::network_policy(&policy, &labels);
-    Api::<NetworkPolicy>::namespaced((*client).clone(), &namespace)
-        .patch(&policy.name_any(), &params, &Patch::Apply(&np))
-        .await?;
-    let cm = desired::rate_limit_config_map(&policy, &labels);
-    Api::<ConfigMap>::namespaced((*client).clone(), &namespace)
-        .patch(&policy.name_any(), &params, &Patch::Apply(&cm))
-        .await?;
-    let generation = policy.metadata.generation;
-    let status = json!({ "status": { "observedGeneration": generation, "conditions": [{
-        "type": "Ready", "status": "True", "reason": "Applied", "message": "NetworkPolicy and rate-limit ConfigMap are in place",
-        "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": generation }] } });
-    Api::<ApplicationTrafficPolicy>::namespaced((*client).clone(), &namespace)
-        .patch_status(&policy.name_any(), &PatchParams::default(), &Patch::Merge(&status))
-        .await?;
+    loadtest::writes::converge(&client, &policy, "kube-rs-peer").await?;
     Ok(Action::requeue(Duration::from_secs(3600)))
 }
 
