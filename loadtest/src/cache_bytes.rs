@@ -12,7 +12,7 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::runtime::reflector::{self, store::Writer};
+use kube::runtime::reflector::store::Writer;
 use kube::runtime::watcher;
 use serde_json::json;
 use tikv_jemalloc_ctl::{epoch, stats};
@@ -95,7 +95,6 @@ fn store_bytes(raw: &[Vec<u8>], trimmed: bool) -> anyhow::Result<usize> {
     anyhow::ensure!(store.len() == raw.len(), "store holds {} of {}", store.len(), raw.len());
     let held = allocated()?.saturating_sub(before);
     drop((store, writer));
-    let _ = reflector::store::<ApplicationTrafficPolicy>;
     Ok(held)
 }
 
