@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::shard::{ShardConfig, validate_timings};
+use crate::coordination::{ShardConfig, validate_timings};
 use crate::telemetry::logging::LogFormat;
 
 #[derive(Parser, Debug)]
@@ -75,8 +75,9 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_RECONCILE_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub reconcile_timeout: Duration,
 
-    /// This replica's identity: its Lease holder name and event reporter (the pod name, from
-    /// the downward API in a StatefulSet).
+    /// This replica's pod name (from the downward API in a StatefulSet). It names the member
+    /// Lease; the Lease holder is the pod name plus a nonce new to every process, so a second
+    /// process with the same pod name waits instead of sharing the slice.
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
 
@@ -120,7 +121,9 @@ impl RunArgs {
             ));
         }
         validate_timings(self.lease_duration, self.renew_deadline, self.retry_period)?;
+        let nonce = format!("{:08x}", rand::random::<u32>());
         Ok(ShardConfig {
+            incarnation: crate::sharding::membership::incarnation(&identity, &nonce),
             identity,
             namespace,
             lease_duration: self.lease_duration,

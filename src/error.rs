@@ -14,6 +14,12 @@ pub enum Error {
     /// takes over, so there is nothing to retry here.
     #[error("ownership of the object's bucket was lost")]
     LostOwnership,
+    /// The fencing policy refused a write: a newer owner of the bucket has written since.
+    #[error("the write was fenced: a newer owner has written since")]
+    Fenced,
+    /// The reconcile panicked; the panic was caught and the key is retried with backoff.
+    #[error("reconcile panicked: {0}")]
+    Panicked(String),
     /// An API call did not answer in time.
     #[error("API call timed out after {0:?}")]
     Timeout(Duration),
@@ -27,6 +33,8 @@ impl Error {
         match self {
             Self::InvalidSpec(_) => "invalid_spec",
             Self::LostOwnership => "lost_ownership",
+            Self::Fenced => "fenced",
+            Self::Panicked(_) => "panic",
             Self::Timeout(_) => "timeout",
             Self::Kube(kube::Error::Api(status)) => match status.code {
                 403 => "forbidden",
@@ -42,11 +50,11 @@ impl Error {
 
     /// Terminal errors are not retried with backoff; the object waits for a new spec.
     pub fn is_terminal(&self) -> bool {
-        matches!(self, Self::InvalidSpec(_) | Self::LostOwnership)
+        matches!(self, Self::InvalidSpec(_) | Self::LostOwnership | Self::Fenced)
     }
 
     /// Terminal errors other than lost ownership still resync: the object stays ours.
     pub fn keeps_resync(&self) -> bool {
-        !matches!(self, Self::LostOwnership)
+        !matches!(self, Self::LostOwnership | Self::Fenced)
     }
 }

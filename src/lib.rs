@@ -13,10 +13,10 @@
 
 pub mod api;
 pub mod cli;
+pub mod coordination;
 pub mod error;
 pub mod manager;
 pub mod reconcile;
 pub mod runtime;
-pub mod shard;
 pub mod sharding;
 pub mod telemetry;

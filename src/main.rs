@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use traffic_policy_operator::cli::{Cli, Command};
-use traffic_policy_operator::{api, manager, shard};
+use traffic_policy_operator::{api, coordination, manager};
 
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
@@ -18,7 +18,7 @@ async fn main() -> ExitCode {
         Some(Command::Shards { kubeconfig, namespace }) => {
             async {
                 let client = manager::client(kubeconfig.as_deref()).await?;
-                shard::status::print(client, &namespace).await
+                coordination::status::print(client, &namespace).await
             }
             .await
         }

@@ -1,7 +1,9 @@
 //! The manager: builds the client, telemetry, sharding, watches and controller, runs them
-//! until SIGTERM or SIGINT, then shuts down in the order that hands work over safely:
-//! drain in-flight reconciles, stop following the assignment, give up every bucket,
-//! release our Lease, and, if leading, publish our buckets' new owners and step down.
+//! as one supervised set of tasks until SIGTERM or SIGINT (or until a critical task ends,
+//! which ends the process), then shuts down in the order that hands work over safely:
+//! drain in-flight reconciles, stop following the assignment, give up every bucket and
+//! wait until nothing of them can still land, release our Lease, and, if leading, publish
+//! our buckets' new owners and step down.
 
 use std::sync::Arc;
 
@@ -12,23 +14,29 @@ use kube::Client;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
+use crate::coordination::follower::{AssignmentView, Follower};
+use crate::coordination::gate::Sharded;
+use crate::coordination::leader::Leader;
+use crate::coordination::lease::MemberLease;
+use crate::coordination::members::Members;
+use crate::coordination::ownership::Ownership;
 use crate::reconcile::TrafficPolicyReconciler;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::{Controller, Settings, watch};
-use crate::shard::follower::{AssignmentView, Follower};
-use crate::shard::leader::Leader;
-use crate::shard::lease::MemberLease;
-use crate::shard::members::Members;
-use crate::shard::ownership::Ownership;
 use crate::telemetry::audit::Audit;
 use crate::telemetry::{admin, logging, metrics};
 
 pub const CONTROLLER_NAME: &str = "applicationtrafficpolicy";
+
+/// What `/readyz` waits for: the member table, a real assignment applied with a valid
+/// lease, and the first sync of the watches of our slice.
+const READINESS_GATES: [&str; 5] = ["members", "assignment", CONTROLLER_NAME, "NetworkPolicy", "ConfigMap"];
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let shard = args.shard_config().map_err(anyhow::Error::msg)?;
@@ -36,21 +44,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let prometheus = metrics::install()?;
     let admin_listener = admin::bind(args.admin_addr).await?;
     let audit = match &args.audit_log {
-        Some(path) => Audit::open(path, &shard.identity)?,
+        Some(path) => Audit::open(path, &shard.identity, &shard.incarnation)?,
         None => Audit::default(),
     };
     let client = client(args.kubeconfig.as_deref()).await?;
-    let health = Arc::new(admin::Health::default());
+    let health = admin::Health::with_gates(&READINESS_GATES);
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     tokio::spawn(metrics::upkeep(prometheus.clone()));
 
-    // Sharding: our lease, the member table, the leader, and the assignment follower,
-    // which re-targets the watches below through `selector`.
-    let ownership = Ownership::new(shard.renew_deadline);
+    // Sharding: our lease and its renewal cycles, the member table, the leader, and the
+    // assignment follower, which re-targets the watches below through `selector`.
+    let ownership = Ownership::new(&shard.incarnation, shard.renew_deadline, shard.write_bound());
     let members = Arc::new(Members::default());
     let view = Arc::new(AssignmentView::default());
-    let member_lease = Arc::new(MemberLease::new(client.clone(), &shard, ownership.clone()));
+    let member_lease = Arc::new(MemberLease::new(client.clone(), &shard, ownership.clone(), view.clone()));
     let leader = Arc::new(Leader::new(client.clone(), &shard, ownership.clone(), members.clone(), view.clone()));
     let (selector_tx, selector) = tokio::sync::watch::channel(None);
     let follower = Follower::new(
@@ -60,13 +68,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         member_lease.clone(),
         view.clone(),
         selector_tx,
+        health.clone(),
         audit.clone(),
     );
     let stop_lease = CancellationToken::new();
     let stop_sharding = CancellationToken::new();
-    let members_task = tokio::spawn({
-        let (members, client, namespace) = (members.clone(), client.clone(), shard.namespace.clone());
-        async move { members.watch(client, &namespace).await }
+    // Critical tasks: if one ends before shutdown, the process ends.
+    let mut critical: JoinSet<&'static str> = JoinSet::new();
+    critical.spawn({
+        let (members, client, namespace, health) =
+            (members.clone(), client.clone(), shard.namespace.clone(), health.clone());
+        async move {
+            members.watch(client, &namespace, &health).await;
+            "the member lease watch"
+        }
     });
     let lease_task = tokio::spawn({
         let (lease, stop) = (member_lease.clone(), stop_lease.clone());
@@ -105,13 +120,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let child_versions = Arc::new(ChildVersions::default());
     let reporter = Reporter { controller: "traffic-policy-operator".into(), instance: Some(shard.identity.clone()) };
     let recorder = Recorder::new(client.clone(), reporter);
-    let reconciler = Arc::new(TrafficPolicyReconciler::new(
-        client.clone(),
-        recorder,
-        child_versions.clone(),
-        ownership.clone(),
-        audit.clone(),
-    ));
+    let reconciler = TrafficPolicyReconciler::new(client.clone(), recorder, child_versions.clone());
+    let reconciler = Arc::new(Sharded::new(reconciler, ownership.clone(), audit.clone()));
     let settings = Settings {
         name: CONTROLLER_NAME,
         workers: args.workers.into(),
@@ -121,23 +131,74 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         backoff: Backoff::default(),
     };
     let controller = Controller::new(settings, store, health.clone());
-    tracing::info!(identity = %shard.identity, namespace = %shard.namespace, workers = args.workers, "starting");
+    tracing::info!(incarnation = %shard.incarnation, namespace = %shard.namespace, workers = args.workers, "starting");
 
     let admin_shutdown = CancellationToken::new();
-    let admin = admin::serve(admin_listener, health, prometheus, admin_shutdown.clone());
-    let mut admin = std::pin::pin!(admin);
-    let drained = tokio::select! {
-        result = &mut admin => anyhow::bail!("admin server stopped: {:?}", result.err()),
-        drained = controller.run(primary, children, child_versions, reconciler, shutdown) => drained,
+    critical.spawn({
+        let (health, stop) = (health.clone(), admin_shutdown.clone());
+        async move {
+            if let Err(error) = admin::serve(admin_listener, health, prometheus, stop).await {
+                tracing::error!(%error, "admin server failed");
+            }
+            "the admin server"
+        }
+    });
+    // Run until shutdown; a critical task that ends first stops the process, after the
+    // same orderly shutdown.
+    let controller = controller.run(primary, children, child_versions, reconciler, shutdown.clone());
+    let mut controller = std::pin::pin!(controller);
+    let (mut lease_task, mut leader_task, mut follower_task) =
+        (Some(lease_task), Some(leader_task), Some(follower_task));
+    let mut drained = None;
+    let failure: Option<String> = tokio::select! {
+        done = &mut controller => {
+            drained = Some(done);
+            None
+        }
+        ended = critical.join_next() => Some(match ended {
+            Some(Ok(name)) => format!("{name} ended"),
+            Some(Err(error)) => format!("a critical task failed: {error}"),
+            None => "no critical task is left".into(),
+        }),
+        ended = async { lease_task.as_mut().expect("running").await } => {
+            lease_task = None;
+            Some(format!("the lease task ended: {ended:?}"))
+        }
+        ended = async { leader_task.as_mut().expect("running").await } => {
+            leader_task = None;
+            Some(format!("the leader task ended: {ended:?}"))
+        }
+        ended = async { follower_task.as_mut().expect("running").await } => {
+            follower_task = None;
+            Some(format!("the follower task ended: {ended:?}"))
+        }
+    };
+    if let Some(ended) = &failure {
+        tracing::error!(task = %ended, "stopping: a critical task ended");
+        health.fail(ended.clone());
+        shutdown.cancel();
+    }
+    let drained = match drained {
+        Some(drained) => drained,
+        None => controller.await,
     };
 
     stop_sharding.cancel();
-    let _ = follower_task.await;
-    let was_leading = leader_task.await.unwrap_or(false);
-    ownership.set_owned(Default::default());
+    if let Some(task) = follower_task {
+        let _ = task.await;
+    }
+    let was_leading = match leader_task {
+        Some(task) => task.await.unwrap_or(false),
+        None => false,
+    };
+    ownership.release_all();
     audit.record("owned", &"shutdown", "");
+    // Nothing of ours may land after we say we let go: wait out abandoned writes too.
+    let drained = drained && ownership.drained(shard.write_bound()).await;
     stop_lease.cancel();
-    let _ = lease_task.await;
+    if let Some(task) = lease_task {
+        let _ = task.await;
+    }
     if drained {
         // Hand our slice over at once.
         member_lease.release().await;
@@ -145,15 +206,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             leader.hand_over().await;
         }
     } else {
-        // A reconcile may still be writing: let our Lease expire instead, so that the
-        // margin between renew deadline and lease duration covers its last request.
+        // A write may still be on its way: let our Lease expire instead, so that the
+        // margin between renew deadline and lease duration covers it.
         tracing::warn!("not drained: leaving the Lease to expire instead of handing over");
     }
-    members_task.abort();
     admin_shutdown.cancel();
-    let _ = admin.await;
     tracing::info!("stopped");
-    Ok(())
+    match failure {
+        Some(ended) => anyhow::bail!("{ended}"),
+        None => Ok(()),
+    }
 }
 
 /// All namespaces, or the one `--watch-namespace` names.

@@ -4,6 +4,7 @@
 mod cache_bytes;
 mod chart;
 mod compare;
+mod fencing_cost;
 mod ownership_cost;
 mod run;
 mod sample;
@@ -25,6 +26,8 @@ enum Benchmark {
     /// Heap bytes per cached ApplicationTrafficPolicy, trimmed as the operator stores them and
     /// untrimmed, measured side by side on the same objects read from the API server.
     CacheBytes(cache_bytes::Args),
+    /// The per-write cost of the fencing ValidatingAdmissionPolicy, with and without it.
+    FencingCost(fencing_cost::Args),
     /// The per-reconcile cost of the sharding layer's ownership checks.
     OwnershipCost(ownership_cost::Args),
     /// Create policies and measure convergence by the operator (or the API write floor).
@@ -37,6 +40,7 @@ enum Benchmark {
 async fn main() {
     let result = match Cli::parse().benchmark {
         Benchmark::CacheBytes(args) => cache_bytes::run(args).await,
+        Benchmark::FencingCost(args) => fencing_cost::run(args).await,
         Benchmark::OwnershipCost(args) => ownership_cost::run(args).await,
         Benchmark::Run(args) => run_and_report(args).await,
         Benchmark::Compare(args) => compare::run(args).await,

@@ -3,10 +3,10 @@
 //! other per-replica costs are fixed, not per object: one Lease renewal (a GET and a
 //! PATCH) per retry period, and, owning every bucket, the selector `trafficpolicy.dev/bucket`.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use traffic_policy_operator::shard::ownership::Ownership;
+use traffic_policy_operator::coordination::ownership::Ownership;
+use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
 use traffic_policy_operator::sharding::bucket::BUCKETS;
 
 #[derive(clap::Args)]
@@ -17,14 +17,15 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let ownership = Ownership::new(Duration::from_secs(10));
-    ownership.renewed(tokio::time::Instant::now());
-    ownership.set_owned((0..BUCKETS).collect::<BTreeSet<_>>());
+    let ownership = Ownership::new("me_1", Duration::from_secs(10), Duration::from_secs(5));
+    let all =
+        Assignment { generation: 1, slots: vec![Slot::Owned { member: "me_1".into(), epoch: 1 }; BUCKETS.into()] };
+    ownership.confirm(tokio::time::Instant::now(), &all);
     let started = Instant::now();
     for i in 0..args.iterations {
         let turn = ownership.begin((i % u32::from(BUCKETS)) as u16).expect("owned");
         for _ in 0..4 {
-            std::hint::black_box(turn.still_owned());
+            std::hint::black_box(turn.permit());
         }
     }
     let per_reconcile = started.elapsed() / args.iterations;

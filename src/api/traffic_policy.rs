@@ -179,6 +179,10 @@ pub struct ApplicationTrafficPolicyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 8))]
     pub conditions: Vec<Condition>,
+    /// The fencing epoch of the replica that last wrote this status. A write carrying a
+    /// lower one is refused when the fencing policy is installed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_epoch: Option<u64>,
 }
 
 /// A status condition, as in metav1.Condition.

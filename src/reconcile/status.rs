@@ -55,7 +55,10 @@ pub fn next_status(
     let mut conditions: Vec<Condition> =
         current.map(|s| s.conditions.iter().filter(|c| c.type_ != READY).cloned().collect()).unwrap_or_default();
     conditions.insert(0, ready);
-    ApplicationTrafficPolicyStatus { observed_generation: generation, conditions }
+    // The epoch is stamped by the write itself; unchanged here, so that a new owner with
+    // nothing new to report writes nothing.
+    let shard_epoch = current.and_then(|s| s.shard_epoch);
+    ApplicationTrafficPolicyStatus { observed_generation: generation, conditions, shard_epoch }
 }
 
 fn truncate(message: &str, max_chars: usize) -> String {

@@ -5,11 +5,16 @@
 //! - a key is reconciled by at most one worker at a time (the queue guarantees it);
 //! - success and terminal errors schedule a jittered resync; other errors retry with
 //!   per-key exponential backoff, reset on success;
+//! - a reconcile that panics is caught, counted, and retried with backoff like an error,
+//!   so its key is never left marked as processing;
 //! - on shutdown no new work is taken, and in-flight reconciles get `drain_timeout`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::panic::AssertUnwindSafe;
+
+use futures::FutureExt;
 use futures::future::join_all;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
@@ -124,7 +129,7 @@ where
                 watcher::Event::Init => predicate.begin_relist(),
                 watcher::Event::InitApply(object) => {
                     let key = ObjectKey::of(&object);
-                    if predicate.changed(&key, object.meta().generation) {
+                    if predicate.changed(&key, object.meta().uid.as_deref(), object.meta().generation) {
                         relisted.push(key);
                     }
                 }
@@ -139,12 +144,12 @@ where
                         self.queue.add(gone, Priority::Low);
                     }
                     synced_once = true;
-                    self.health.set_synced(true);
+                    self.health.ready(self.settings.name);
                     metrics::set_cache_synced(self.settings.name, true);
                 }
                 watcher::Event::Apply(object) => {
                     let key = ObjectKey::of(&object);
-                    if predicate.changed(&key, object.meta().generation) {
+                    if predicate.changed(&key, object.meta().uid.as_deref(), object.meta().generation) {
                         self.queue.add(key, Priority::High);
                     }
                 }
@@ -165,7 +170,10 @@ where
         let mut listed_once = false;
         while let Some(event) = children.next().await {
             match event {
-                ChildEvent::Listed => listed_once = true,
+                ChildEvent::Listed { kind } => {
+                    listed_once = true;
+                    self.health.ready(kind);
+                }
                 ChildEvent::Changed { kind, owner, resource_version, initial } => {
                     let news = versions.observe(kind, &owner, resource_version.as_deref());
                     // The first list only teaches us versions: the primary's initial list
@@ -211,11 +219,15 @@ where
         );
         let started = Instant::now();
         let timeout = self.settings.reconcile_timeout;
-        let outcome =
-            match tokio::time::timeout(timeout, reconciler.reconcile(object.clone()).instrument(span.clone())).await {
-                Ok(outcome) => outcome,
-                Err(_) => Err(Error::Timeout(timeout)),
-            };
+        let reconcile = AssertUnwindSafe(reconciler.reconcile(object.clone())).catch_unwind().instrument(span.clone());
+        let outcome = match tokio::time::timeout(timeout, reconcile).await {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(panic)) => {
+                self.metrics.panicked();
+                Err(Error::Panicked(panic_message(panic.as_ref())))
+            }
+            Err(_) => Err(Error::Timeout(timeout)),
+        };
         let took = started.elapsed();
         span.record("duration_ms", took.as_millis() as u64);
         let _entered = span.enter();
@@ -255,10 +267,78 @@ where
     }
 }
 
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(message), _) => message.to_string(),
+        (_, Some(message)) => message.clone(),
+        _ => "a panic without a message".into(),
+    }
+}
+
 /// When to look again at an object that was not ours to reconcile.
 const NOT_OURS_RETRY: Duration = Duration::from_secs(5);
 
 /// `period` plus up to 10% so that resyncs of objects created together spread out.
 fn jittered(period: Duration) -> Duration {
     period.mul_f64(1.0 + rand::random::<f64>() * 0.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::ObjectMeta;
+    use kube::runtime::reflector;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Panics on its first call, succeeds after.
+    struct PanicsOnce(AtomicUsize);
+
+    impl Reconciler<ConfigMap> for PanicsOnce {
+        async fn reconcile(&self, _: Arc<ConfigMap>) -> Result<Action> {
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("a bug in the reconcile");
+            }
+            Ok(Action::Done)
+        }
+        fn forget(&self, _: &ObjectKey) {}
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_reconcile_is_caught_and_its_key_retried() {
+        let object = ConfigMap {
+            metadata: ObjectMeta { name: Some("a".into()), namespace: Some("ns".into()), ..Default::default() },
+            ..Default::default()
+        };
+        let (store, mut writer) = reflector::store::<ConfigMap>();
+        let events = vec![watcher::Event::Init, watcher::Event::InitApply(object), watcher::Event::InitDone];
+        for event in &events {
+            writer.apply_watcher_event(event);
+        }
+        let primary = futures::stream::iter(events).chain(futures::stream::pending());
+        let settings = Settings {
+            name: "test",
+            workers: 1,
+            resync: Duration::from_secs(3600),
+            drain_timeout: Duration::from_secs(1),
+            reconcile_timeout: Duration::from_secs(10),
+            backoff: Backoff::default(),
+        };
+        let controller = Controller::new(settings, store, Health::with_gates(&[]));
+        let reconciler = Arc::new(PanicsOnce(AtomicUsize::new(0)));
+        let shutdown = CancellationToken::new();
+        let children = Vec::new();
+        let versions = Arc::new(ChildVersions::default());
+        let run = tokio::spawn(controller.run(primary, children, versions, reconciler.clone(), shutdown.clone()));
+        // The paused clock jumps over the backoff; a wedged key would never be called again.
+        for _ in 0..600 {
+            if reconciler.0.load(Ordering::SeqCst) >= 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(reconciler.0.load(Ordering::SeqCst), 2, "retried once after the panic, then done");
+        shutdown.cancel();
+        assert!(run.await.unwrap(), "drained: no worker died with the panic");
+    }
 }

@@ -5,6 +5,7 @@
 pub mod backoff;
 pub mod child_versions;
 pub mod controller;
+pub mod gate;
 pub mod key;
 pub mod predicate;
 pub mod queue;

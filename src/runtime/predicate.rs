@@ -1,7 +1,8 @@
 //! The generation predicate: which watch events are worth a reconcile.
 //!
 //! Passes the first sight of an object (including one that arrives through a relist or a
-//! label change) and changes of `metadata.generation`; drops status-, label- and
+//! label change), a new uid under a known name (deleted and created again while the watch
+//! was down), and changes of `metadata.generation`; drops status-, label- and
 //! annotation-only updates, which leave the generation alone. Deletions are handled by
 //! the caller. Unlike kube-runtime's predicate, entries live exactly as long as the object
 //! is in the watch: a relist drops those that vanished, so a returning object counts as new.
@@ -10,26 +11,35 @@ use std::collections::{HashMap, HashSet};
 
 use super::key::ObjectKey;
 
+/// What we last saw of an object: its uid and generation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Seen {
+    uid: Option<String>,
+    generation: Option<i64>,
+}
+
 #[derive(Default)]
 pub struct GenerationPredicate {
-    seen: HashMap<ObjectKey, Option<i64>>,
+    seen: HashMap<ObjectKey, Seen>,
     relisted: Option<HashSet<ObjectKey>>,
 }
 
 impl GenerationPredicate {
-    /// Records `generation` for `key`; true when it is new or changed.
-    pub fn changed(&mut self, key: &ObjectKey, generation: Option<i64>) -> bool {
+    /// Records `uid` and `generation` for `key`; true when the object is new (by name or
+    /// by uid) or its generation changed.
+    pub fn changed(&mut self, key: &ObjectKey, uid: Option<&str>, generation: Option<i64>) -> bool {
         if let Some(relisted) = &mut self.relisted {
             relisted.insert(key.clone());
         }
+        let now = Seen { uid: uid.map(str::to_string), generation };
         match self.seen.get_mut(key) {
-            Some(seen) if *seen == generation => false,
+            Some(seen) if *seen == now => false,
             Some(seen) => {
-                *seen = generation;
+                *seen = now;
                 true
             }
             None => {
-                self.seen.insert(key.clone(), generation);
+                self.seen.insert(key.clone(), now);
                 true
             }
         }
@@ -71,22 +81,34 @@ mod tests {
     fn passes_first_sight_and_generation_changes_only() {
         let mut p = GenerationPredicate::default();
         let k = ObjectKey::new("ns", "a");
-        assert!(p.changed(&k, Some(1)), "first sight");
-        assert!(!p.changed(&k, Some(1)), "status, label or annotation update");
-        assert!(p.changed(&k, Some(2)), "spec change");
+        assert!(p.changed(&k, Some("u1"), Some(1)), "first sight");
+        assert!(!p.changed(&k, Some("u1"), Some(1)), "status, label or annotation update");
+        assert!(p.changed(&k, Some("u1"), Some(2)), "spec change");
         p.forget(&k);
-        assert!(p.changed(&k, Some(2)), "seen again after a delete");
+        assert!(p.changed(&k, Some("u1"), Some(2)), "seen again after a delete");
+    }
+
+    #[test]
+    fn a_new_uid_under_a_known_name_is_new() {
+        let mut p = GenerationPredicate::default();
+        let k = ObjectKey::new("ns", "a");
+        assert!(p.changed(&k, Some("u1"), Some(1)));
+        // Deleted and created again while the watch was down: the relist shows generation 1 again.
+        p.begin_relist();
+        assert!(p.changed(&k, Some("u2"), Some(1)), "same name and generation, another object");
+        assert!(p.end_relist().is_empty());
+        assert!(!p.changed(&k, Some("u2"), Some(1)));
     }
 
     #[test]
     fn relist_drops_vanished_objects_so_they_count_as_new_on_return() {
         let mut p = GenerationPredicate::default();
         let (a, b) = (ObjectKey::new("ns", "a"), ObjectKey::new("ns", "b"));
-        p.changed(&a, Some(1));
-        p.changed(&b, Some(1));
+        p.changed(&a, Some("u1"), Some(1));
+        p.changed(&b, Some("u1"), Some(1));
         p.begin_relist();
-        assert!(!p.changed(&a, Some(1)), "unchanged objects in a relist are not new");
+        assert!(!p.changed(&a, Some("u1"), Some(1)), "unchanged objects in a relist are not new");
         assert_eq!(p.end_relist(), vec![b.clone()]);
-        assert!(p.changed(&b, Some(1)), "b came back, e.g. through a handoff");
+        assert!(p.changed(&b, Some("u1"), Some(1)), "b came back, e.g. through a handoff");
     }
 }

@@ -47,7 +47,9 @@ where
         match selector {
             Some(selector) => {
                 let labels = fixed_labels.as_ref().map_or(selector.clone(), |fixed| format!("{fixed},{selector}"));
-                watcher(api.clone(), watcher::Config::default().any_semantic().labels(&labels)).boxed()
+                // A consistent list (not `any_semantic`): after a handoff, the new owner must not
+                // start from an older state than the previous owner last wrote from.
+                watcher(api.clone(), watcher::Config::default().labels(&labels)).boxed()
             }
             // An empty list: the cache empties and the source counts as synced.
             None => futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
@@ -114,7 +116,7 @@ pub enum ChildEvent {
         initial: bool,
     },
     /// A (re)list is complete.
-    Listed,
+    Listed { kind: &'static str },
 }
 
 /// Metadata-only events of children whose controller is a `owner_kind`, selected by label
@@ -132,7 +134,7 @@ where
             Ok(watcher::Event::Apply(child)) => (child, false, false),
             Ok(watcher::Event::InitApply(child)) => (child, false, true),
             Ok(watcher::Event::Delete(child)) => (child, true, false),
-            Ok(watcher::Event::InitDone) => return Some(ChildEvent::Listed),
+            Ok(watcher::Event::InitDone) => return Some(ChildEvent::Listed { kind }),
             Ok(watcher::Event::Init) => return None,
             Err(error) => {
                 tracing::warn!(kind, %error, "child watch failed; retrying with backoff");

@@ -1,29 +1,47 @@
-//! The published assignment of buckets to members, and the leader's rule for changing it.
+//! The published assignment of buckets to member incarnations, and the leader's rule for
+//! changing it.
 //!
-//! A bucket's slot is `Owned(member)`, `Draining { from, since }` or `Free`. Ownership only
-//! ever passes through a state in which nobody owns the bucket:
+//! A bucket's slot is `Owned { member, epoch }`, `Draining { from, since }` or `Free`.
+//! Ownership never passes straight from one incarnation to another: it is revoked first.
 //!
-//! - `Owned(x)` → `Draining { from: x, since: G }` when the ring wants another owner and
-//!   `x` is alive; `x` stops the bucket, drains it, and acknowledges generation `G`;
-//! - `Draining { from: x, since: G }` → `Owned(y)` once `x` acknowledged `G` or more, or
-//!   `x` is no longer alive (its lease expired, which means it has fail-stopped, or it
-//!   released its lease after draining);
-//! - `Owned(x)` → `Owned(y)` directly only when `x` is not alive.
+//! - `Owned(x)` → `Draining { from: x, since: G }` whenever the ring wants another owner,
+//!   whether `x` looks alive or not (revoke before reassign);
+//! - `Draining { from: x, since: G }` → `Owned(y)` only once [`Release`] says `x` let go of
+//!   it: `x` acknowledged `G`, released its lease after draining, was confirmed silent
+//!   since before `G` was written, or `G` has been known for `x`'s lease duration;
+//! - `Free` → `Owned(y)`.
+//!
+//! `epoch` is the generation in which the bucket was given to `member`. It only grows for a
+//! bucket, so a write stamped with it can be fenced on the server: a deposed owner's epoch
+//! is always lower than its successor's.
 //!
 //! The assignment is one object written with a resourceVersion precondition, so two
 //! leaders at once cannot both apply a transition from the same state. Pure: membership
-//! is an argument.
+//! and the drain facts are arguments.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::bucket::{BUCKETS, Bucket};
+use super::membership::pod_of;
 use super::ring::Ring;
+
+/// A bucket's ownership epoch: the assignment generation that gave it to its owner.
+pub type Epoch = u64;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Slot {
     Free,
-    Owned(String),
+    Owned { member: String, epoch: Epoch },
     Draining { from: String, since: u64 },
+}
+
+impl Slot {
+    fn member(&self) -> Option<&str> {
+        match self {
+            Slot::Owned { member, .. } | Slot::Draining { from: member, .. } => Some(member),
+            Slot::Free => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,38 +57,36 @@ impl Default for Assignment {
 }
 
 impl Assignment {
-    /// The buckets `member` may work on.
-    pub fn owned_by(&self, member: &str) -> BTreeSet<Bucket> {
-        (0..BUCKETS).filter(|&b| matches!(&self.slots[usize::from(b)], Slot::Owned(m) if m == member)).collect()
+    /// The buckets `member` may work on, with their epochs.
+    pub fn owned_by(&self, member: &str) -> BTreeMap<Bucket, Epoch> {
+        (0..BUCKETS)
+            .filter_map(|b| match &self.slots[usize::from(b)] {
+                Slot::Owned { member: m, epoch } if m == member => Some((b, *epoch)),
+                _ => None,
+            })
+            .collect()
     }
 
-    /// Buckets that nobody alive works on.
+    /// Buckets that nobody in `alive` works on.
     pub fn unowned(&self, alive: &BTreeSet<String>) -> usize {
-        self.slots.iter().filter(|slot| !matches!(slot, Slot::Owned(m) if alive.contains(m))).count()
+        self.slots.iter().filter(|slot| !matches!(slot, Slot::Owned { member, .. } if alive.contains(member))).count()
     }
 
     /// Bucket counts per owner, for status displays.
     pub fn shares(&self) -> BTreeMap<String, usize> {
         let mut shares = BTreeMap::new();
         for slot in &self.slots {
-            if let Slot::Owned(m) = slot {
-                *shares.entry(m.clone()).or_default() += 1;
+            if let Slot::Owned { member, .. } = slot {
+                *shares.entry(member.clone()).or_default() += 1;
             }
         }
         shares
     }
 
     /// The ConfigMap data: `generation`, `members` (comma-separated) and `slots`, one entry
-    /// per bucket: a member index, `~index@since` while draining, or `-` when free.
+    /// per bucket: `index@epoch` when owned, `~index@since` while draining, `-` when free.
     pub fn encode(&self) -> BTreeMap<String, String> {
-        let mut members: Vec<&str> = self
-            .slots
-            .iter()
-            .filter_map(|s| match s {
-                Slot::Owned(m) | Slot::Draining { from: m, .. } => Some(m.as_str()),
-                Slot::Free => None,
-            })
-            .collect();
+        let mut members: Vec<&str> = self.slots.iter().filter_map(Slot::member).collect();
         members.sort();
         members.dedup();
         let index = |m: &str| members.binary_search(&m).expect("listed");
@@ -79,7 +95,7 @@ impl Assignment {
             .iter()
             .map(|s| match s {
                 Slot::Free => "-".to_string(),
-                Slot::Owned(m) => index(m).to_string(),
+                Slot::Owned { member, epoch } => format!("{}@{epoch}", index(member)),
                 Slot::Draining { from, since } => format!("~{}@{since}", index(from)),
             })
             .collect();
@@ -98,15 +114,18 @@ impl Assignment {
             let i: usize = i.parse().map_err(|e| format!("member index {i:?}: {e}"))?;
             members.get(i).map(|m| m.to_string()).ok_or_else(|| format!("member index {i} out of range"))
         };
+        let number = |s: &str, n: &str| n.parse::<u64>().map_err(|e| format!("slot {s:?}: {e}"));
         let slots = field("slots")?
             .split(',')
             .map(|s| match s {
                 "-" => Ok(Slot::Free),
-                s if s.starts_with('~') => {
-                    let (from, since) = s[1..].split_once('@').ok_or_else(|| format!("bad slot {s:?}"))?;
-                    Ok(Slot::Draining { from: member(from)?, since: since.parse().map_err(|e| format!("{s:?}: {e}"))? })
+                s => {
+                    let (who, n) = s.split_once('@').ok_or_else(|| format!("bad slot {s:?}"))?;
+                    match who.strip_prefix('~') {
+                        Some(from) => Ok(Slot::Draining { from: member(from)?, since: number(s, n)? }),
+                        None => Ok(Slot::Owned { member: member(who)?, epoch: number(s, n)? }),
+                    }
                 }
-                s => Ok(Slot::Owned(member(s)?)),
             })
             .collect::<Result<Vec<_>, String>>()?;
         if slots.len() != usize::from(BUCKETS) {
@@ -116,114 +135,202 @@ impl Assignment {
     }
 }
 
+/// Whether a draining member has let go of its buckets: the leader's answer for
+/// `Draining { from, since }`.
+pub trait Release {
+    fn let_go(&self, from: &str, since: u64) -> bool;
+}
+
+impl<F: Fn(&str, u64) -> bool> Release for F {
+    fn let_go(&self, from: &str, since: u64) -> bool {
+        self(from, since)
+    }
+}
+
 /// The next assignment, or `None` when nothing can change yet.
 ///
-/// `alive` are the members the leader currently sees alive; `acked` gives the generation
-/// each has acknowledged.
-pub fn plan(current: &Assignment, alive: &BTreeSet<String>, acked: impl Fn(&str) -> Option<u64>) -> Option<Assignment> {
-    let members: Vec<&String> = alive.iter().collect();
-    let ring = Ring::new(&members);
-    let desired = ring.assign_names();
-    let next_generation = current.generation + 1;
-    let give = |want: Option<&str>| want.map_or(Slot::Free, |m| Slot::Owned(m.to_string()));
+/// `receivers` are the members that may be given buckets (seen renewing); `release` says
+/// whether a draining member has let go.
+pub fn plan(current: &Assignment, receivers: &BTreeSet<String>, release: &impl Release) -> Option<Assignment> {
+    // The ring places pods, not incarnations, so a restarted pod gets its old slice back.
+    let by_pod: BTreeMap<&str, &str> = receivers.iter().map(|m| (pod_of(m), m.as_str())).collect();
+    let pods: Vec<&str> = by_pod.keys().copied().collect();
+    let ring = Ring::new(&pods);
+    let desired = ring.assign_names().into_iter().map(|pod| pod.map(|p| by_pod[p]));
+    let next = current.generation + 1;
+    let give = |want: Option<&str>| want.map_or(Slot::Free, |m| Slot::Owned { member: m.to_string(), epoch: next });
     let slots: Vec<Slot> = current
         .slots
         .iter()
         .zip(desired)
         .map(|(slot, want)| match slot {
-            Slot::Owned(x) if want == Some(x.as_str()) => slot.clone(),
-            Slot::Owned(x) if !alive.contains(x) => give(want),
-            Slot::Owned(x) => Slot::Draining { from: x.clone(), since: next_generation },
-            // Handing it back to the member still draining it is safe: nobody else has it.
+            Slot::Owned { member, .. } if want == Some(member.as_str()) => slot.clone(),
+            // Nobody to give it to: leave it where it is.
+            Slot::Owned { .. } if want.is_none() => slot.clone(),
+            Slot::Owned { member, .. } => Slot::Draining { from: member.clone(), since: next },
+            // Back to the member that is draining it: nobody else had it meanwhile.
             Slot::Draining { from, .. } if want == Some(from.as_str()) => give(want),
-            Slot::Draining { from, since } if !alive.contains(from) || acked(from).is_some_and(|g| g >= *since) => {
-                give(want)
-            }
+            Slot::Draining { from, since } if want.is_some() && release.let_go(from, *since) => give(want),
             Slot::Draining { .. } => slot.clone(),
             Slot::Free => give(want),
         })
         .collect();
-    (slots != current.slots).then_some(Assignment { generation: next_generation, slots })
+    (slots != current.slots).then_some(Assignment { generation: next, slots })
+}
+
+/// The facts the leader has about one draining member, for [`may_reassign`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrainFacts {
+    /// The highest generation the member acknowledged (on its own lease).
+    pub acked: Option<u64>,
+    /// The member emptied its lease's holder itself, after draining (graceful shutdown).
+    pub released: bool,
+    /// A quorum read of the member's lease, made after the revoking generation was known
+    /// to be written, found the renewal the leader had already seen for a lease duration.
+    pub confirmed_silent: bool,
+    /// How long the leader has known the revoking generation, by its own clock.
+    pub revoked_for: std::time::Duration,
+    /// The member's lease duration.
+    pub lease_duration: std::time::Duration,
+}
+
+/// Whether the buckets that `Draining { since }` revoked from a member may be given away.
+///
+/// A member acts on a bucket only within `renew_deadline` of the start of a renewal whose
+/// following quorum read of the assignment still gave it the bucket, and each of its
+/// writes is bounded by `lease_duration − renew_deadline`. So once the revocation has
+/// been written, the member either reads it in its next renewal cycle, or stops by the
+/// deadline of an earlier one: after a lease duration nothing of it can land.
+pub fn may_reassign(since: u64, facts: DrainFacts) -> bool {
+    facts.acked.is_some_and(|g| g >= since)
+        || facts.released
+        || facts.confirmed_silent
+        || facts.revoked_for >= facts.lease_duration
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::time::Duration;
 
     fn set(members: &[&str]) -> BTreeSet<String> {
         members.iter().map(|m| m.to_string()).collect()
     }
 
+    fn never(_: &str, _: u64) -> bool {
+        false
+    }
+
+    fn always(_: &str, _: u64) -> bool {
+        true
+    }
+
     #[test]
-    fn first_assignment_gives_everything_out() {
-        let a = plan(&Assignment::default(), &set(&["a", "b", "c"]), |_| None).unwrap();
+    fn first_assignment_gives_everything_out_with_its_generation_as_epoch() {
+        let a = plan(&Assignment::default(), &set(&["a", "b", "c"]), &never).unwrap();
         assert_eq!(a.generation, 1);
         let shares = a.shares();
         assert_eq!(shares.values().sum::<usize>(), usize::from(BUCKETS));
         assert_eq!(shares.len(), 3);
-        assert_eq!(plan(&a, &set(&["a", "b", "c"]), |_| None), None, "stable once settled");
+        assert!(a.owned_by("a").values().all(|e| *e == 1));
+        assert_eq!(plan(&a, &set(&["a", "b", "c"]), &never), None, "stable once settled");
     }
 
     #[test]
     fn a_live_owner_drains_before_anyone_else_gets_its_buckets() {
-        let settled = plan(&Assignment::default(), &set(&["a", "b"]), |_| None).unwrap();
+        let settled = plan(&Assignment::default(), &set(&["a", "b"]), &never).unwrap();
         let grown = set(&["a", "b", "c"]);
-        let draining = plan(&settled, &grown, |_| None).unwrap();
-        assert!(draining.owned_by("c").is_empty(), "c gets nothing until the old owners acknowledge");
+        let draining = plan(&settled, &grown, &never).unwrap();
+        assert!(draining.owned_by("c").is_empty(), "c gets nothing until the old owners let go");
         let moving = draining.slots.iter().filter(|s| matches!(s, Slot::Draining { .. })).count();
         assert!(moving > 0);
-        // Nothing changes until the acknowledgements arrive.
-        assert_eq!(plan(&draining, &grown, |_| Some(settled.generation)), None);
-        let done = plan(&draining, &grown, |_| Some(draining.generation)).unwrap();
+        assert_eq!(plan(&draining, &grown, &never), None);
+        let done = plan(&draining, &grown, &always).unwrap();
         assert_eq!(done.unowned(&grown), 0);
-        // c's share is what the ring gives it; bounded loads may also shift a few between a and b.
-        assert_eq!(
-            done.owned_by("c").len(),
-            Ring::new(&["a", "b", "c"]).assign().iter().filter(|o| **o == Some(2)).count()
-        );
-        assert!(done.owned_by("c").len() <= moving);
+        assert!(done.owned_by("c").values().all(|e| *e == done.generation), "a new owner gets a new epoch");
+        let before = settled.owned_by("a");
+        let kept: Vec<_> = done.owned_by("a").into_iter().filter(|(b, _)| before.contains_key(b)).collect();
+        assert!(!kept.is_empty() && kept.iter().all(|(b, e)| before[b] == *e), "kept buckets keep their epoch");
     }
 
     #[test]
-    fn a_dead_owners_buckets_move_at_once() {
-        let settled = plan(&Assignment::default(), &set(&["a", "b", "c"]), |_| None).unwrap();
+    fn a_dead_owner_is_revoked_first_too() {
+        let settled = plan(&Assignment::default(), &set(&["a", "b", "c"]), &never).unwrap();
         let lost = settled.owned_by("c");
-        let next = plan(&settled, &set(&["a", "b"]), |_| None).unwrap();
-        assert!(next.owned_by("c").is_empty());
-        // No drain step for a dead member's buckets (live members' cascaded moves still drain).
-        let (a, b) = (next.owned_by("a"), next.owned_by("b"));
-        assert!(lost.iter().all(|bucket| a.contains(bucket) || b.contains(bucket)));
+        let revoked = plan(&settled, &set(&["a", "b"]), &never).unwrap();
+        for bucket in lost.keys() {
+            assert!(
+                matches!(&revoked.slots[usize::from(*bucket)], Slot::Draining { from, .. } if from == "c"),
+                "c's bucket {bucket} must be revoked, not handed over"
+            );
+        }
+        let moved = plan(&revoked, &set(&["a", "b"]), &|from: &str, _: u64| from == "c").unwrap();
+        assert!(lost.keys().all(|b| !matches!(&moved.slots[usize::from(*b)], Slot::Draining { .. })));
+    }
+
+    #[test]
+    fn without_receivers_nothing_moves() {
+        let settled = plan(&Assignment::default(), &set(&["a"]), &never).unwrap();
+        assert_eq!(plan(&settled, &BTreeSet::new(), &always), None);
     }
 
     #[test]
     fn encoding_round_trips() {
-        let mut a = plan(&Assignment::default(), &set(&["pod-0", "pod-1"]), |_| None).unwrap();
-        a.slots[5] = Slot::Draining { from: "pod-1".into(), since: 9 };
+        let mut a = plan(&Assignment::default(), &set(&["pod-0_x1", "pod-1_y2"]), &never).unwrap();
+        a.slots[5] = Slot::Draining { from: "pod-1_y2".into(), since: 9 };
         a.slots[6] = Slot::Free;
         assert_eq!(Assignment::decode(&a.encode()).unwrap(), a);
         assert!(Assignment::decode(&BTreeMap::new()).unwrap_err().contains("generation"));
+        let mut bad = a.encode();
+        bad.insert("slots".into(), "0".into());
+        assert!(Assignment::decode(&bad).unwrap_err().contains("bad slot"));
+    }
+
+    #[test]
+    fn when_a_revoked_member_may_be_replaced() {
+        let ld = Duration::from_secs(15);
+        let base = DrainFacts { lease_duration: ld, ..Default::default() };
+        let table: &[(&str, DrainFacts, bool)] = &[
+            ("nothing known yet", base, false),
+            ("acknowledged an older generation", DrainFacts { acked: Some(6), ..base }, false),
+            ("acknowledged the revoking generation", DrainFacts { acked: Some(7), ..base }, true),
+            ("acknowledged a later one", DrainFacts { acked: Some(9), ..base }, true),
+            ("released its lease", DrainFacts { released: true, ..base }, true),
+            ("confirmed silent by a quorum read", DrainFacts { confirmed_silent: true, ..base }, true),
+            (
+                "revoked just under a lease duration ago",
+                DrainFacts { revoked_for: ld - Duration::from_millis(1), ..base },
+                false,
+            ),
+            ("revoked a lease duration ago", DrainFacts { revoked_for: ld, ..base }, true),
+        ];
+        for (case, facts, expected) in table {
+            assert_eq!(may_reassign(7, *facts), *expected, "{case}");
+        }
     }
 
     proptest! {
-        /// Over any sequence of membership views and acknowledgements, a bucket never goes
-        /// from one owner to another alive owner without a drained step in between.
+        /// Over any sequence of views and releases, a bucket never goes from one owner to
+        /// another without a draining step that the releasing rule allowed to end, and
+        /// epochs only grow.
         #[test]
-        fn ownership_never_jumps_between_live_members(
+        fn ownership_never_jumps_and_epochs_grow(
             steps in prop::collection::vec((prop::collection::btree_set(0usize..5, 0..5), any::<bool>()), 1..12)
         ) {
             let names = ["a", "b", "c", "d", "e"];
             let mut current = Assignment::default();
-            for (alive_idx, ack) in steps {
+            for (alive_idx, release) in steps {
                 let alive: BTreeSet<String> = alive_idx.iter().map(|&i| names[i].to_string()).collect();
-                let generation = current.generation;
-                if let Some(next) = plan(&current, &alive, |_| ack.then_some(generation)) {
+                let rule = move |_: &str, _: u64| release;
+                if let Some(next) = plan(&current, &alive, &rule) {
                     for (before, after) in current.slots.iter().zip(&next.slots) {
-                        if let (Slot::Owned(x), Slot::Owned(y)) = (before, after) {
-                            prop_assert!(x == y || !alive.contains(x), "{x} -> {y} while {x} is alive");
+                        if let (Slot::Owned { member: x, epoch: e0 }, Slot::Owned { member: y, epoch: e1 }) = (before, after) {
+                            prop_assert!(x == y && e0 == e1, "{x} -> {y} without revocation");
                         }
-                        if let (Slot::Draining { from, since }, Slot::Owned(y)) = (before, after) {
-                            prop_assert!(from == y || !alive.contains(from) || (ack && generation >= *since));
+                        if let (Slot::Draining { from, .. }, Slot::Owned { member: y, epoch }) = (before, after) {
+                            prop_assert!(from == y || release);
+                            prop_assert_eq!(*epoch, next.generation);
                         }
                     }
                     prop_assert_eq!(next.generation, current.generation + 1);

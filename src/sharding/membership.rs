@@ -1,86 +1,214 @@
-//! Who is alive, judged from lease renewals observed *locally*.
+//! Who is alive, judged from member Lease renewals observed *locally*.
 //!
-//! A member is alive while its lease's `renewTime` has changed within its
-//! `leaseDurationSeconds`, as timed by our own monotonic clock from the moment we saw the
-//! change. We never compare a remote timestamp with our clock, so clock offsets between
-//! nodes do not matter; only clock rates do. Pure: `now` is an argument.
+//! Each pod has one member Lease; its holder is the pod's current *incarnation*
+//! (`<pod>_<nonce>`, new for every process), so two processes with one pod name never
+//! share a holder. A member is judged by our own monotonic clock from the moment we saw
+//! its `renewTime` change; a remote timestamp is never compared with our clock, so clock
+//! offsets do not matter, only rates do.
+//!
+//! A member moves through [`Liveness`]: first sight, a left-over Lease, or a deleted Lease
+//! is only [`Liveness::MayBeAlive`] (it is never given buckets, and never taken for dead
+//! before its lease would have expired); a renewal seen after that makes it
+//! [`Liveness::Renewing`]. Pure: `now` is an argument.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// What one member lease says, as read from the API server.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A process's identity: its pod name and a nonce of its own.
+pub fn incarnation(pod: &str, nonce: &str) -> String {
+    format!("{pod}_{nonce}")
+}
+
+/// The pod an incarnation runs as (pod names never contain `_`).
+pub fn pod_of(incarnation: &str) -> &str {
+    incarnation.rsplit_once('_').map_or(incarnation, |(pod, _)| pod)
+}
+
+/// What one member Lease says, as read from the API server.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct LeaseState {
-    /// Empty once the member released its lease (graceful shutdown).
+    /// The incarnation holding it; empty once released (graceful shutdown).
     pub holder: Option<String>,
     /// `spec.renewTime` as written: only compared for change, never with our clock.
     pub renew_marker: Option<String>,
     pub duration: Duration,
-    /// The assignment generation the member has applied (see `assignment`).
+    /// The assignment generation the holder has applied and drained.
     pub acked_generation: Option<u64>,
+    /// The Lease object's uid: a holder change on the same object is a takeover or a
+    /// release; on a new object (deleted and created again) it says nothing.
+    pub uid: Option<String>,
+}
+
+impl LeaseState {
+    fn holder(&self) -> Option<&str> {
+        self.holder.as_deref().filter(|h| !h.is_empty())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// Seen renewing within its lease duration: may be given buckets.
+    Renewing,
+    /// Not seen renewing yet (first sight, a left-over Lease) or its Lease was deleted:
+    /// given nothing, and not taken for dead before its lease would have expired.
+    MayBeAlive,
+    /// No renewal seen for a lease duration, or its Lease now names another incarnation.
+    Expired,
+    /// It let go: it emptied its Lease's holder itself after draining (graceful shutdown),
+    /// or its successor took the same Lease over after seeing it expire.
+    Released,
 }
 
 #[derive(Clone, Debug)]
 struct Observed {
     state: LeaseState,
     last_change: Instant,
+    /// Renewals seen since the current holder was first seen.
+    renewals: u32,
+    deleted: bool,
+    /// Incarnations seen letting go of this Lease, newest last (a few are kept).
+    released_by: VecDeque<String>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemberStatus {
-    Alive,
-    /// No renewal seen for a lease duration.
-    Expired,
-    /// The member gave its lease up.
-    Released,
-}
+/// How many releasing incarnations a member entry remembers.
+const RELEASES_KEPT: usize = 4;
 
 #[derive(Default)]
 pub struct MemberTable {
+    /// By pod name.
     members: BTreeMap<String, Observed>,
 }
 
 impl MemberTable {
-    pub fn observe(&mut self, member: &str, state: LeaseState, now: Instant) {
-        match self.members.get_mut(member) {
-            Some(seen) if seen.state.renew_marker == state.renew_marker && seen.state.holder == state.holder => {
-                seen.state = state; // an ack or a duration change is not a renewal
+    pub fn observe(&mut self, pod: &str, state: LeaseState, now: Instant) {
+        let Some(seen) = self.members.get_mut(pod) else {
+            let observed =
+                Observed { state, last_change: now, renewals: 0, deleted: false, released_by: VecDeque::new() };
+            self.members.insert(pod.to_string(), observed);
+            return;
+        };
+        let was_deleted = std::mem::take(&mut seen.deleted);
+        if seen.state.holder() != state.holder() {
+            // Emptied, or taken over on the same object (a successor takes a Lease only after
+            // seeing it unrenewed for its duration): the old holder has let go.
+            let same_object = seen.state.uid.is_some() && seen.state.uid == state.uid && !was_deleted;
+            if let Some(old) = seen.state.holder().filter(|_| state.holder().is_none() || same_object) {
+                seen.released_by.push_back(old.to_string());
+                if seen.released_by.len() > RELEASES_KEPT {
+                    seen.released_by.pop_front();
+                }
             }
-            _ => {
-                self.members.insert(member.to_string(), Observed { state, last_change: now });
-            }
+            seen.renewals = 0;
+            seen.last_change = now;
+        } else if seen.state.renew_marker != state.renew_marker {
+            seen.renewals += 1;
+            seen.last_change = now;
+        }
+        // An acknowledgement alone is not a renewal; it is recorded all the same.
+        seen.state = state;
+    }
+
+    /// The Lease was deleted: what we knew stands until it would have expired.
+    pub fn deleted(&mut self, pod: &str) {
+        if let Some(seen) = self.members.get_mut(pod) {
+            seen.deleted = true;
         }
     }
 
-    pub fn remove(&mut self, member: &str) {
-        self.members.remove(member);
+    /// How `incarnation` looks from here at `now`. `me` always counts as renewing while
+    /// our own lease is valid, which the caller checks.
+    pub fn liveness(&self, incarnation: &str, now: Instant) -> Liveness {
+        let Some(seen) = self.members.get(pod_of(incarnation)) else { return Liveness::MayBeAlive };
+        if seen.released_by.iter().any(|r| r == incarnation) && seen.state.holder() != Some(incarnation) {
+            return Liveness::Released;
+        }
+        if seen.state.holder() != Some(incarnation) {
+            // Another incarnation took the Lease over (after seeing it expire) or nobody holds it.
+            return if seen.state.holder().is_some() || seen.deleted {
+                self.expired_or_unknown(seen, now)
+            } else {
+                Liveness::Expired
+            };
+        }
+        if now.saturating_duration_since(seen.last_change) >= seen.state.duration {
+            return Liveness::Expired;
+        }
+        if seen.deleted || seen.renewals == 0 { Liveness::MayBeAlive } else { Liveness::Renewing }
     }
 
-    pub fn status(&self, member: &str, now: Instant) -> MemberStatus {
-        match self.members.get(member) {
-            None => MemberStatus::Released,
-            Some(seen) if seen.state.holder.as_deref().is_none_or(str::is_empty) => MemberStatus::Released,
-            Some(seen) if now.saturating_duration_since(seen.last_change) >= seen.state.duration => {
-                MemberStatus::Expired
-            }
-            Some(_) => MemberStatus::Alive,
+    fn expired_or_unknown(&self, seen: &Observed, now: Instant) -> Liveness {
+        if now.saturating_duration_since(seen.last_change) >= seen.state.duration {
+            Liveness::Expired
+        } else {
+            Liveness::MayBeAlive
         }
     }
 
-    pub fn alive(&self, now: Instant) -> BTreeSet<String> {
-        self.members.keys().filter(|m| self.status(m, now) == MemberStatus::Alive).cloned().collect()
+    /// The incarnations that may be given buckets: seen renewing, plus `me` when given.
+    pub fn receivers(&self, me: Option<&str>, now: Instant) -> BTreeSet<String> {
+        let mut receivers: BTreeSet<String> = self
+            .members
+            .values()
+            .filter_map(|seen| seen.state.holder())
+            .filter(|holder| self.liveness(holder, now) == Liveness::Renewing)
+            .map(str::to_string)
+            .collect();
+        if let Some(me) = me {
+            receivers.retain(|m| pod_of(m) != pod_of(me));
+            receivers.insert(me.to_string());
+        }
+        receivers
     }
 
-    pub fn acked_generation(&self, member: &str) -> Option<u64> {
-        self.members.get(member)?.state.acked_generation
+    /// The generation `incarnation` acknowledged, read from its own Lease.
+    pub fn acked_generation(&self, incarnation: &str) -> Option<u64> {
+        let seen = self.members.get(pod_of(incarnation))?;
+        (seen.state.holder() == Some(incarnation)).then_some(seen.state.acked_generation).flatten()
     }
 
-    /// How long ago we saw `member`'s lease change. For our own lease this tells whether
-    /// our view is current: a stalled watch must not make everyone else look expired.
-    pub fn since_last_change(&self, member: &str, now: Instant) -> Option<Duration> {
-        Some(now.saturating_duration_since(self.members.get(member)?.last_change))
+    /// The highest generation any member acknowledged: a floor for a new assignment's
+    /// generation, which must never go back (it is every bucket's fencing epoch).
+    pub fn highest_acked(&self) -> u64 {
+        self.members.values().filter_map(|seen| seen.state.acked_generation).max().unwrap_or(0)
+    }
+
+    /// The renewal `incarnation` was last seen making and when it was first seen, if it
+    /// still holds its Lease and has not renewed for its lease duration.
+    pub fn silent(&self, incarnation: &str, now: Instant) -> Option<String> {
+        let seen = self.members.get(pod_of(incarnation))?;
+        let quiet = now.saturating_duration_since(seen.last_change) >= seen.state.duration;
+        (seen.state.holder() == Some(incarnation) && quiet).then(|| seen.state.renew_marker.clone().unwrap_or_default())
+    }
+
+    pub fn lease_duration(&self, incarnation: &str) -> Option<Duration> {
+        Some(self.members.get(pod_of(incarnation))?.state.duration)
+    }
+
+    /// How long ago we saw `pod`'s Lease change. For our own Lease this tells whether our
+    /// view is current: a stalled watch must not make everyone else look expired.
+    pub fn since_last_change(&self, pod: &str, now: Instant) -> Option<Duration> {
+        Some(now.saturating_duration_since(self.members.get(pod)?.last_change))
+    }
+
+    /// Pods whose Lease has not changed for `after`: left behind by pods that are gone.
+    pub fn abandoned(&self, after: Duration, now: Instant) -> Vec<String> {
+        self.members
+            .iter()
+            .filter(|(_, seen)| !seen.deleted && now.saturating_duration_since(seen.last_change) >= after)
+            .map(|(pod, _)| pod.clone())
+            .collect()
+    }
+
+    /// The renewal last seen on `pod`'s Lease.
+    pub fn renew_marker(&self, pod: &str) -> Option<String> {
+        self.members.get(pod)?.state.renew_marker.clone()
+    }
+
+    /// The incarnations holding a Lease, for status displays.
+    pub fn holders(&self) -> BTreeSet<String> {
+        self.members.values().filter_map(|seen| seen.state.holder()).map(str::to_string).collect()
     }
 }
 
@@ -88,57 +216,111 @@ impl MemberTable {
 mod tests {
     use super::*;
 
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
     fn lease(holder: &str, renew: &str) -> LeaseState {
         LeaseState {
             holder: Some(holder.into()),
             renew_marker: Some(renew.into()),
-            duration: Duration::from_secs(15),
+            duration: S(15),
             acked_generation: None,
+            uid: Some("uid-1".into()),
         }
     }
 
     #[test]
-    fn alive_until_no_renewal_is_seen_for_a_lease_duration() {
+    fn incarnations_name_their_pod() {
+        assert_eq!(pod_of(&incarnation("traffic-policy-operator-0", "3f9a")), "traffic-policy-operator-0");
+        assert_eq!(pod_of("no-nonce"), "no-nonce");
+    }
+
+    #[test]
+    fn liveness_over_time() {
         let t0 = Instant::now();
         let mut table = MemberTable::default();
-        table.observe("a", lease("a", "r1"), t0);
-        assert_eq!(table.status("a", t0 + Duration::from_secs(14)), MemberStatus::Alive);
-        // The same renewal seen again (a relist) does not extend the lease.
-        table.observe("a", lease("a", "r1"), t0 + Duration::from_secs(10));
-        assert_eq!(table.status("a", t0 + Duration::from_secs(15)), MemberStatus::Expired);
-        table.observe("a", lease("a", "r2"), t0 + Duration::from_secs(16));
-        assert_eq!(table.status("a", t0 + Duration::from_secs(30)), MemberStatus::Alive);
+        table.observe("a", lease("a_1", "r1"), t0);
+        assert_eq!(table.liveness("a_1", t0), Liveness::MayBeAlive, "first sight is not a renewal");
+        assert!(table.receivers(None, t0).is_empty(), "a ghost gets nothing");
+        table.observe("a", lease("a_1", "r1"), t0 + S(5));
+        assert_eq!(table.liveness("a_1", t0 + S(5)), Liveness::MayBeAlive, "a relist is not a renewal");
+        table.observe("a", lease("a_1", "r2"), t0 + S(6));
+        assert_eq!(table.liveness("a_1", t0 + S(6)), Liveness::Renewing);
+        assert_eq!(table.receivers(None, t0 + S(6)), BTreeSet::from(["a_1".to_string()]));
+        assert_eq!(table.liveness("a_1", t0 + S(21)), Liveness::Expired, "no renewal for a lease duration");
+        assert_eq!(table.silent("a_1", t0 + S(21)).as_deref(), Some("r2"));
+        assert_eq!(table.silent("a_1", t0 + S(20)), None);
     }
 
     #[test]
     fn remote_timestamps_are_never_compared_with_our_clock() {
         let t0 = Instant::now();
         let mut table = MemberTable::default();
-        // A renewTime far in the past or future means nothing; only its change does.
-        table.observe("a", lease("a", "1999-01-01T00:00:00Z"), t0);
-        table.observe("b", lease("b", "2999-01-01T00:00:00Z"), t0);
-        assert_eq!(table.alive(t0 + Duration::from_secs(1)), BTreeSet::from(["a".to_string(), "b".to_string()]));
+        table.observe("a", lease("a_1", "1999-01-01T00:00:00Z"), t0);
+        table.observe("a", lease("a_1", "1999-01-01T00:00:01Z"), t0);
+        table.observe("b", lease("b_1", "2999-01-01T00:00:00Z"), t0);
+        table.observe("b", lease("b_1", "2999-01-01T00:00:01Z"), t0);
+        assert_eq!(table.receivers(None, t0 + S(1)).len(), 2);
     }
 
     #[test]
-    fn released_and_removed_members_are_gone_at_once() {
+    fn a_deleted_lease_is_unknown_until_it_would_have_expired() {
         let t0 = Instant::now();
         let mut table = MemberTable::default();
-        table.observe("a", lease("a", "r1"), t0);
-        table.observe("b", lease("b", "r1"), t0);
-        table.observe("a", LeaseState { holder: Some(String::new()), ..lease("a", "r2") }, t0);
-        table.remove("b");
-        assert_eq!(table.status("a", t0), MemberStatus::Released);
-        assert!(table.alive(t0).is_empty());
+        table.observe("a", lease("a_1", "r1"), t0);
+        table.observe("a", lease("a_1", "r2"), t0 + S(1));
+        table.deleted("a");
+        assert_eq!(table.liveness("a_1", t0 + S(2)), Liveness::MayBeAlive, "never 'gone at once'");
+        assert!(table.receivers(None, t0 + S(2)).is_empty(), "but given nothing more");
+        assert_eq!(table.liveness("a_1", t0 + S(16)), Liveness::Expired);
     }
 
     #[test]
-    fn acks_are_tracked_without_counting_as_renewals() {
+    fn a_new_incarnation_supersedes_the_old_and_releases_are_remembered() {
         let t0 = Instant::now();
         let mut table = MemberTable::default();
-        table.observe("a", lease("a", "r1"), t0);
-        table.observe("a", LeaseState { acked_generation: Some(7), ..lease("a", "r1") }, t0 + Duration::from_secs(14));
-        assert_eq!(table.acked_generation("a"), Some(7));
-        assert_eq!(table.status("a", t0 + Duration::from_secs(15)), MemberStatus::Expired);
+        table.observe("a", lease("a_1", "r1"), t0);
+        table.observe("a", lease("a_1", "r2"), t0 + S(1));
+        table.observe("a", LeaseState { holder: Some(String::new()), ..lease("a_1", "r3") }, t0 + S(2));
+        assert_eq!(table.liveness("a_1", t0 + S(2)), Liveness::Released);
+        table.observe("a", lease("a_2", "r4"), t0 + S(3));
+        assert_eq!(table.liveness("a_1", t0 + S(3)), Liveness::Released, "still known as released");
+        assert_eq!(table.liveness("a_2", t0 + S(3)), Liveness::MayBeAlive);
+        table.observe("a", lease("a_3", "r5"), t0 + S(4));
+        assert_eq!(table.liveness("a_2", t0 + S(4)), Liveness::Released, "taken over on the same Lease");
+        // Deleted and created again by another incarnation: that says nothing of the old one.
+        table.deleted("a");
+        table.observe("a", LeaseState { uid: Some("uid-2".into()), ..lease("a_4", "r6") }, t0 + S(5));
+        assert_eq!(table.liveness("a_3", t0 + S(5)), Liveness::MayBeAlive, "unknown until it would have expired");
+        assert_eq!(table.liveness("a_3", t0 + S(20)), Liveness::Expired);
+    }
+
+    #[test]
+    fn acknowledgements_belong_to_the_holder_and_are_not_renewals() {
+        let t0 = Instant::now();
+        let mut table = MemberTable::default();
+        table.observe("a", lease("a_1", "r1"), t0);
+        table.observe("a", LeaseState { acked_generation: Some(7), ..lease("a_1", "r1") }, t0 + S(14));
+        assert_eq!(table.acked_generation("a_1"), Some(7));
+        assert_eq!(table.acked_generation("a_0"), None, "not another incarnation's");
+        assert_eq!(table.highest_acked(), 7);
+        assert_eq!(table.liveness("a_1", t0 + S(15)), Liveness::Expired);
+    }
+
+    #[test]
+    fn me_is_a_receiver_and_replaces_my_pods_other_incarnations() {
+        let t0 = Instant::now();
+        let mut table = MemberTable::default();
+        table.observe("a", lease("a_1", "r1"), t0);
+        table.observe("a", lease("a_1", "r2"), t0);
+        assert_eq!(table.receivers(Some("a_2"), t0), BTreeSet::from(["a_2".to_string()]));
+    }
+
+    #[test]
+    fn abandoned_leases_are_found_for_garbage_collection() {
+        let t0 = Instant::now();
+        let mut table = MemberTable::default();
+        table.observe("a", lease("a_1", "r1"), t0);
+        table.observe("b", lease("b_1", "r1"), t0 + S(100));
+        assert_eq!(table.abandoned(S(150), t0 + S(200)), vec!["a".to_string()]);
     }
 }

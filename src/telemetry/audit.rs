@@ -14,23 +14,24 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub struct Audit {
     sink: Option<Arc<Mutex<File>>>,
     replica: Arc<str>,
+    incarnation: Arc<str>,
 }
 
 impl Audit {
-    pub fn open(path: &Path, replica: &str) -> anyhow::Result<Self> {
+    pub fn open(path: &Path, replica: &str, incarnation: &str) -> anyhow::Result<Self> {
         let file = File::options()
             .create(true)
             .append(true)
             .open(path)
             .map_err(|e| anyhow::anyhow!("cannot open --audit-log {}: {e}", path.display()))?;
-        Ok(Self { sink: Some(Arc::new(Mutex::new(file))), replica: replica.into() })
+        Ok(Self { sink: Some(Arc::new(Mutex::new(file))), replica: replica.into(), incarnation: incarnation.into() })
     }
 
     pub fn record(&self, event: &str, object: &dyn std::fmt::Display, detail: &str) {
         let Some(sink) = &self.sink else { return };
         let t = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
         let line = serde_json::json!({
-            "t": t.to_string(), "replica": &*self.replica, "event": event, "object": object.to_string(), "detail": detail
+            "t": t.to_string(), "replica": &*self.replica, "incarnation": &*self.incarnation, "event": event, "object": object.to_string(), "detail": detail
         });
         let mut file = sink.lock().unwrap_or_else(|p| p.into_inner());
         // One write per line; O_APPEND keeps lines whole.

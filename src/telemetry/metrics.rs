@@ -62,6 +62,7 @@ fn describe() {
         "traffic_policy_unowned_milliseconds_total",
         "Milliseconds during which some bucket had no live owner (leader)."
     );
+    describe_counter!("controller_runtime_reconcile_panics_total", "Reconciles that panicked (caught and retried).");
     describe_counter!("traffic_policy_bucket_labels_total", "Policies the leader labelled with their bucket.");
 }
 
@@ -185,6 +186,7 @@ impl ControllerMetrics {
             counter!("controller_runtime_reconcile_total", "controller" => name, "result" => result.label())
                 .absolute(0);
         }
+        counter!("controller_runtime_reconcile_panics_total", "controller" => name).absolute(0);
         Self { name }
     }
 
@@ -196,6 +198,10 @@ impl ControllerMetrics {
             counter!("controller_runtime_reconcile_errors_total", "controller" => self.name, "kind" => kind)
                 .increment(1);
         }
+    }
+
+    pub fn panicked(&self) {
+        counter!("controller_runtime_reconcile_panics_total", "controller" => self.name).increment(1);
     }
 
     pub fn active_workers(&self, delta: f64) {

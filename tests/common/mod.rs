@@ -13,6 +13,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, Role};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use serde::Deserialize;
 use tokio::sync::OnceCell;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
@@ -102,6 +103,12 @@ async fn install_once(cp: &'static ControlPlane) {
             let crd: CustomResourceDefinition = read_yaml("crds/applicationtrafficpolicies.trafficpolicy.dev.yaml");
             let crds = Api::<CustomResourceDefinition>::all(client.clone());
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
+            // The fencing policy, as deploy/ installs it.
+            let fencing = std::fs::read_to_string(Path::new(REPO).join("deploy/fencing/fencing.yaml")).unwrap();
+            for document in serde_yaml::Deserializer::from_str(&fencing) {
+                let object = serde_yaml::Value::deserialize(document).unwrap();
+                apply_dynamic(&client, &object).await;
+            }
             let role = operator_cluster_role();
             Api::<ClusterRole>::all(client.clone())
                 .patch(&role.name_any(), &apply, &Patch::Apply(&role))
@@ -116,6 +123,18 @@ async fn install_once(cp: &'static ControlPlane) {
         .await;
 }
 
+/// Server-side applies one cluster-scoped object of any kind.
+async fn apply_dynamic(client: &Client, object: &serde_yaml::Value) {
+    let object: kube::api::DynamicObject = serde_yaml::from_value(object.clone()).unwrap();
+    let types = object.types.clone().expect("apiVersion and kind");
+    let (group, version) = types.api_version.split_once('/').unwrap_or(("", &types.api_version));
+    let gvk = kube::api::GroupVersionKind::gvk(group, version, &types.kind);
+    let resource = kube::api::ApiResource::from_gvk(&gvk);
+    let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), &resource);
+    let apply = PatchParams::apply("e2e-tests").force();
+    api.patch(&object.name_any(), &apply, &Patch::Apply(&object)).await.unwrap_or_else(|e| panic!("{e}"));
+}
+
 pub fn operator_cluster_role() -> ClusterRole {
     read_yaml("deploy/clusterrole.yaml")
 }
@@ -124,6 +143,22 @@ pub fn operator_cluster_role() -> ClusterRole {
 pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &str) -> T {
     let text = std::fs::read_to_string(Path::new(REPO).join(path)).unwrap();
     serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Lease duration, renew deadline and retry period for the replicas the tests start.
+/// Short timings (4 s / 3 s / 0.5 s) keep the suites quick; `TPO_TEST_LEASE_TIMINGS=15,10,2`
+/// (seconds) runs them at client-go's defaults instead, to measure takeover there.
+pub fn lease_timings() -> (Duration, Duration, Duration) {
+    let parsed = std::env::var("TPO_TEST_LEASE_TIMINGS").ok().and_then(|v| {
+        let secs: Vec<f64> = v.split(',').map(|s| s.trim().parse().ok()).collect::<Option<_>>()?;
+        match secs[..] {
+            [ld, rd, rp] => {
+                Some((Duration::from_secs_f64(ld), Duration::from_secs_f64(rd), Duration::from_secs_f64(rp)))
+            }
+            _ => None,
+        }
+    });
+    parsed.unwrap_or((Duration::from_secs(4), Duration::from_secs(3), Duration::from_millis(500)))
 }
 
 /// The operator binary, running as its own process.
@@ -144,32 +179,46 @@ impl Operator {
 
     /// Starts replica `name` with `args` plus the common flags, and waits until ready.
     pub async fn launch(cp: &ControlPlane, identity: &controlplane::Identity, name: &str, args: &[String]) -> Self {
+        let mut operator = Self::spawn(cp, &identity.kubeconfig_path, name, args);
+        operator.wait_ready().await;
+        operator
+    }
+
+    /// Starts replica `name` with the given kubeconfig, without waiting for it.
+    pub fn spawn(cp: &ControlPlane, kubeconfig: &Path, name: &str, args: &[String]) -> Self {
+        let timings = lease_timings();
         let admin_port = controlplane::free_port().unwrap();
         let log = cp.dir().join(format!("{name}-{admin_port}.log"));
         let mut all: Vec<String> = vec![
-            format!("--kubeconfig={}", identity.kubeconfig_path.display()),
+            format!("--kubeconfig={}", kubeconfig.display()),
             format!("--admin-addr=127.0.0.1:{admin_port}"),
             format!("--pod-name={name}"),
             "--log-format=json".into(),
             "--log-level=info".into(),
-            // Short lease timings keep the suites quick; the defaults are client-go's.
-            "--lease-duration=4s".into(),
-            "--renew-deadline=3s".into(),
-            "--retry-period=500ms".into(),
+            format!("--lease-duration={}s", timings.0.as_secs()),
+            format!("--renew-deadline={}s", timings.1.as_secs()),
+            format!("--retry-period={}ms", timings.2.as_millis()),
         ];
         all.extend(args.iter().cloned());
         let binary = Path::new(env!("CARGO_BIN_EXE_traffic-policy-operator"));
         let process = Process::start("traffic-policy-operator", binary, &all, &log).unwrap();
-        let mut operator = Self { process, admin_port };
+        Self { process, admin_port }
+    }
+
+    /// Polls `/readyz` until it answers 200.
+    pub async fn wait_ready(&mut self) {
         let deadline = Instant::now() + DEADLINE;
-        while !operator.get("/readyz").is_ok_and(|r| r.contains(" 200 ")) {
-            if let Some(status) = operator.process.exited() {
-                panic!("{}", operator.process.failure(&format!("exited at start ({status})")));
+        while !self.is_ready() {
+            if let Some(status) = self.process.exited() {
+                panic!("{}", self.process.failure(&format!("exited at start ({status})")));
             }
-            assert!(Instant::now() < deadline, "{}", operator.process.failure("not ready in time"));
+            assert!(Instant::now() < deadline, "{}", self.process.failure("not ready in time"));
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        operator
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.get("/readyz").is_ok_and(|r| r.contains(" 200 "))
     }
 
     pub fn get(&self, path: &str) -> anyhow::Result<String> {

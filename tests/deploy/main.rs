@@ -29,11 +29,9 @@ fn kubectl(cp: &ControlPlane, args: &[&str]) -> (bool, String, String) {
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 
-/// The monitoring.coreos.com CRDs from the shared test data, beside the repository.
+/// The monitoring.coreos.com CRDs, kept in the repository (see their README for origin).
 fn monitoring_crds() -> PathBuf {
-    let dir = repo("../shared/testdata/crds");
-    assert!(dir.is_dir(), "the monitoring CRDs are expected in {}", dir.display());
-    dir
+    repo("tests/testdata/monitoring-crds/")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,7 @@ use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::runtime::gate::FENCE_ANNOTATION;
 
 use crate::lifecycle::policy;
 use crate::support::{Operator, TestEnv, eventually, operator_cluster_role};
@@ -24,8 +25,27 @@ where
     list
 }
 
+/// Each child's content with the fencing annotation left out, and that annotation.
+async fn contents<K>(api: &Api<K>) -> (Vec<(String, serde_json::Value)>, Vec<u64>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    let params = ListParams::default().labels("app.kubernetes.io/managed-by=traffic-policy-operator");
+    let mut content = Vec::new();
+    let mut epochs = Vec::new();
+    for object in api.list(&params).await.unwrap().items {
+        let mut value = serde_json::to_value(&object).unwrap();
+        let fence = value["metadata"]["annotations"].as_object_mut().unwrap().remove(FENCE_ANNOTATION).unwrap();
+        epochs.push(fence.as_str().unwrap().parse().unwrap());
+        let keep = |v: &serde_json::Value| serde_json::json!({ "spec": v["spec"], "data": v["data"], "labels": v["metadata"]["labels"] });
+        content.push((object.name_any(), keep(&value)));
+    }
+    content.sort_by(|a, b| a.0.cmp(&b.0));
+    (content, epochs)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_operator_rewrites_nothing() {
+async fn a_restarted_operator_changes_nothing_but_the_fencing_epoch() {
     let env = TestEnv::new("e2e-restart").await;
     let mut first = env.start_operator(&[]).await;
     let policies = env.api::<ApplicationTrafficPolicy>();
@@ -37,8 +57,8 @@ async fn a_restarted_operator_rewrites_nothing() {
     }
     let before = (
         versions(&policies).await,
-        versions(&env.api::<NetworkPolicy>()).await,
-        versions(&env.api::<ConfigMap>()).await,
+        contents(&env.api::<NetworkPolicy>()).await,
+        contents(&env.api::<ConfigMap>()).await,
     );
     let status = first.stop().expect("the operator exits");
     assert!(status.success(), "SIGTERM must end in exit 0, got {status}");
@@ -48,12 +68,20 @@ async fn a_restarted_operator_rewrites_nothing() {
         (second.successful_reconciles() >= 5.0).then_some(())
     })
     .await;
-    let after = (
-        versions(&policies).await,
-        versions(&env.api::<NetworkPolicy>()).await,
-        versions(&env.api::<ConfigMap>()).await,
-    );
-    assert_eq!(after, before, "no object was written again");
+    // The new process is a new incarnation with a new fencing epoch: it stamps it on each child
+    // once (so a late write of the old process would be refused), and changes nothing else.
+    let after = eventually("every child carries the new incarnation's epoch", || async {
+        let after = (
+            versions(&policies).await,
+            contents(&env.api::<NetworkPolicy>()).await,
+            contents(&env.api::<ConfigMap>()).await,
+        );
+        let newer = |b: &[u64], a: &[u64]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a > b);
+        (newer(&before.1.1, &after.1.1) && newer(&before.2.1, &after.2.1)).then_some(after)
+    })
+    .await;
+    assert_eq!(after.0, before.0, "no policy (status) was written again");
+    assert_eq!((after.1.0, after.2.0), (before.1.0, before.2.0), "no child changed but for its epoch");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

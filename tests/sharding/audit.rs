@@ -7,6 +7,7 @@ use std::path::Path;
 pub struct Entry {
     pub t: u128,
     pub replica: String,
+    pub incarnation: String,
     pub event: String,
     pub object: String,
     pub detail: String,
@@ -23,6 +24,7 @@ pub fn read_all(dir: &Path) -> Vec<Entry> {
             entries.push(Entry {
                 t: field("t").parse().unwrap(),
                 replica: field("replica"),
+                incarnation: field("incarnation"),
                 event: field("event"),
                 object: field("object"),
                 detail: field("detail"),
@@ -54,13 +56,15 @@ pub fn reconcile_intervals(entries: &[Entry], forced_ends: &[(u128, String)], cu
     let mut ends = ends.into_iter().peekable();
     for e in entries {
         while let Some((t, replica)) = ends.next_if(|(t, _)| *t <= e.t) {
-            let closed: Vec<(String, String)> = open.keys().filter(|(r, _)| r == replica).cloned().collect();
+            let closed: Vec<(String, String)> =
+                open.keys().filter(|(incarnation, _)| pod_of(incarnation) == replica).cloned().collect();
             for key in closed {
                 let start = open.remove(&key).expect("listed");
                 intervals.push(Interval { replica: key.0, object: key.1, start, end: *t });
             }
         }
-        let key = (e.replica.clone(), e.object.clone());
+        // Processes, not pod names: two processes with one pod name are two writers.
+        let key = (e.incarnation.clone(), e.object.clone());
         match e.event.as_str() {
             "reconcile_start" => {
                 open.insert(key, e.t);
@@ -77,7 +81,12 @@ pub fn reconcile_intervals(entries: &[Entry], forced_ends: &[(u128, String)], cu
     intervals
 }
 
-/// Pairs of reconciles of one object by two replicas at overlapping times.
+/// The pod an incarnation (`<pod>_<nonce>`) runs as.
+pub fn pod_of(incarnation: &str) -> &str {
+    incarnation.rsplit_once('_').map_or(incarnation, |(pod, _)| pod)
+}
+
+/// Pairs of reconciles of one object by two processes at overlapping times.
 pub fn overlaps(intervals: &[Interval]) -> Vec<(Interval, Interval)> {
     let mut by_object: BTreeMap<&str, Vec<&Interval>> = BTreeMap::new();
     for i in intervals {

@@ -16,6 +16,7 @@
 mod certs;
 mod identity;
 pub mod process;
+pub mod proxy;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -30,6 +31,25 @@ use process::Process;
 
 /// The Kubernetes version the test bed runs; `build.sh` pins the same.
 pub const KUBERNETES_VERSION: &str = "v1.36.3";
+
+/// What the test control plane audits: writes by service accounts to the objects an
+/// operator under test writes. Everything else is left out to keep the log small.
+const AUDIT_POLICY: &str = r#"apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Request
+    userGroups: ["system:serviceaccounts"]
+    verbs: ["create", "update", "patch"]
+    resources:
+      - group: ""
+        resources: ["configmaps"]
+      - group: "networking.k8s.io"
+        resources: ["networkpolicies"]
+      - group: "trafficpolicy.dev"
+        resources: ["applicationtrafficpolicies", "applicationtrafficpolicies/status"]
+  - level: None
+"#;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(90);
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -48,11 +68,20 @@ pub struct Config {
     pub controller_manager: bool,
     /// A fixed apiserver port; a free one when `None`.
     pub apiserver_port: Option<u16>,
+    /// Write kube-apiserver's audit log of what service accounts write (see
+    /// [`ControlPlane::audit_log_path`]): the tests judge safety from what the server received.
+    pub audit_writes: bool,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Self { apiserver_args: Vec::new(), feature_gates: Vec::new(), controller_manager: true, apiserver_port: None }
+        Self {
+            apiserver_args: Vec::new(),
+            feature_gates: Vec::new(),
+            controller_manager: true,
+            apiserver_port: None,
+            audit_writes: false,
+        }
     }
 }
 
@@ -133,7 +162,8 @@ impl ControlPlane {
     pub fn shared() -> &'static ControlPlane {
         static SHARED: OnceLock<ControlPlane> = OnceLock::new();
         SHARED.get_or_init(|| {
-            let cp = ControlPlane::start(Config::default()).unwrap_or_else(|e| panic!("{e:#}"));
+            let config = Config { audit_writes: true, ..Config::default() };
+            let cp = ControlPlane::start(config).unwrap_or_else(|e| panic!("{e:#}"));
             extern "C" fn teardown() {
                 if let Some(cp) = SHARED.get() {
                     cp.stop_all();
@@ -158,6 +188,13 @@ impl ControlPlane {
 
     pub fn server_url(&self) -> String {
         format!("https://127.0.0.1:{}", self.ports.apiserver)
+    }
+
+    /// kube-apiserver's audit log (JSON lines) when [`Config::audit_writes`] is set: every
+    /// create, update and patch by a service account of ConfigMaps, NetworkPolicies and
+    /// ApplicationTrafficPolicies (status included), at the `Request` level.
+    pub fn audit_log_path(&self) -> PathBuf {
+        self.dir.join("audit.log")
     }
 
     pub fn log_path(&self, component: &str) -> PathBuf {
@@ -230,6 +267,13 @@ impl ControlPlane {
         ];
         if !self.config.feature_gates.is_empty() {
             args.push(format!("--feature-gates={}", self.config.feature_gates.join(",")));
+        }
+        if self.config.audit_writes {
+            std::fs::write(self.dir.join("audit-policy.yaml"), AUDIT_POLICY)?;
+            args.push(format!("--audit-policy-file={}", d("audit-policy.yaml")));
+            args.push(format!("--audit-log-path={}", self.audit_log_path().display()));
+            args.push("--audit-log-mode=blocking".to_string());
+            args.push("--audit-log-maxsize=0".to_string());
         }
         args.extend(self.config.apiserver_args.iter().cloned());
         let mut slot = lock(&self.apiserver);

@@ -39,6 +39,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         feature_gates: args.feature_gates,
         controller_manager: true,
         apiserver_port: args.port,
+        audit_writes: false,
     };
     let cp = ControlPlane::start(config)?;
     if let Some(parent) = args.kubeconfig.parent() {

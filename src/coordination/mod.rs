@@ -1,16 +1,20 @@
 //! The side effects of the sharding protocol (the decisions are pure, in `sharding`):
-//! - [`lease`]: this replica's own Lease: renew, acknowledge, release;
+//! - [`lease`]: this incarnation's member Lease: renewal cycles (renew, then read the
+//!   assignment with a quorum read), acknowledgements, release;
 //! - [`members`]: a watch of every member Lease into the local membership table;
 //! - [`leader`]: leader election, and the leader's duties: publishing the assignment and
 //!   labelling new policies with their bucket;
-//! - [`follower`]: applying the published assignment to this replica (drain, acknowledge,
-//!   re-target the watches);
-//! - [`ownership`]: what this replica may reconcile right now, checked before every write;
+//! - [`follower`]: applying the published assignment to this replica (re-target the
+//!   watches at once, drain what was lost, acknowledge);
+//! - [`ownership`]: what this replica may write right now, with the fencing epoch;
+//! - [`gate`]: the wrapper that puts a reconcile behind that check;
 //! - [`status`]: the `shards` command's report.
 //!
-//! docs/sharding.md describes the protocol and why no two replicas reconcile one object at once.
+//! docs/sharding.md describes the protocol and why no two replicas write one object at once.
 
 pub mod follower;
+pub mod gate;
+pub mod labeller;
 pub mod leader;
 pub mod lease;
 pub mod members;
@@ -23,13 +27,16 @@ use std::time::Duration;
 pub const MEMBER_LEASE_PREFIX: &str = "traffic-policy-operator-member-";
 pub const LEADER_LEASE: &str = "traffic-policy-operator-leader";
 pub const ASSIGNMENT_CONFIGMAP: &str = "traffic-policy-operator-assignment";
-/// On a member Lease: the assignment generation that member has applied.
+/// On a member Lease: the assignment generation its holder has applied and drained.
 pub const ACK_ANNOTATION: &str = "trafficpolicy.dev/applied-assignment";
 
 /// Who we are and the lease timings, validated by the CLI.
 #[derive(Clone, Debug)]
 pub struct ShardConfig {
+    /// The pod name: it names the member Lease and the event reporter.
     pub identity: String,
+    /// This process: the pod name plus a nonce, the holder of our Leases.
+    pub incarnation: String,
     pub namespace: String,
     pub lease_duration: Duration,
     pub renew_deadline: Duration,
@@ -42,6 +49,13 @@ pub struct ShardConfig {
 impl ShardConfig {
     pub fn member_lease_name(&self) -> String {
         format!("{MEMBER_LEASE_PREFIX}{}", self.identity)
+    }
+
+    /// How long one write may take: the margin between lease duration and renew deadline.
+    /// A write checked just before the deadline has landed (or failed) by the time the
+    /// leader may give its bucket to someone else.
+    pub fn write_bound(&self) -> Duration {
+        self.lease_duration.saturating_sub(self.renew_deadline)
     }
 }
 

@@ -1,49 +1,59 @@
 //! Watches the member Leases into a [`MemberTable`], timing renewals by our own clock.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
-use tokio::sync::Notify;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{ACK_ANNOTATION, MEMBER_LEASE_PREFIX};
 use crate::sharding::membership::{LeaseState, MemberTable};
+use crate::telemetry::admin::Health;
 
-#[derive(Default)]
 pub struct Members {
     table: Mutex<MemberTable>,
-    changed: Notify,
-    /// Set once the first list is complete: before that, absent members are unknown, not dead.
-    synced: std::sync::atomic::AtomicBool,
+    changed: watch::Sender<u64>,
+    /// Set once the first list is complete: before that, absent members are unknown.
+    synced: AtomicBool,
+}
+
+impl Default for Members {
+    fn default() -> Self {
+        Self { table: Mutex::default(), changed: watch::channel(0).0, synced: AtomicBool::new(false) }
+    }
 }
 
 impl Members {
-    /// Runs the watch forever (it retries with backoff).
-    pub async fn watch(&self, client: Client, namespace: &str) {
+    /// Runs the watch until the stream ends (it retries with backoff, so: never).
+    pub async fn watch(&self, client: Client, namespace: &str, health: &Health) {
         let leases = Api::<Lease>::namespaced(client, namespace);
         let mut events = watcher(leases, watcher::Config::default()).default_backoff().boxed();
         while let Some(event) = events.next().await {
             let now = Instant::now();
             match event {
                 Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
-                    if let Some(member) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
-                        self.lock().observe(member, lease_state(&lease), now);
+                    if let Some(pod) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
+                        self.lock().observe(pod, lease_state(&lease), now);
                     }
                 }
                 Ok(watcher::Event::Delete(lease)) => {
-                    if let Some(member) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
-                        self.lock().remove(member);
+                    if let Some(pod) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
+                        self.lock().deleted(pod);
                     }
                 }
-                Ok(watcher::Event::InitDone) => self.synced.store(true, std::sync::atomic::Ordering::Release),
+                Ok(watcher::Event::InitDone) => {
+                    self.synced.store(true, Ordering::Release);
+                    health.ready("members");
+                }
                 Ok(watcher::Event::Init) => {}
                 Err(error) => tracing::warn!(%error, "member lease watch failed; retrying"),
             }
-            self.changed.notify_waiters();
+            self.changed.send_modify(|v| *v = v.wrapping_add(1));
         }
     }
 
@@ -52,12 +62,12 @@ impl Members {
         f(&self.lock())
     }
 
-    pub fn changed(&self) -> &Notify {
-        &self.changed
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     pub fn synced(&self) -> bool {
-        self.synced.load(std::sync::atomic::Ordering::Acquire)
+        self.synced.load(Ordering::Acquire)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, MemberTable> {
@@ -65,7 +75,7 @@ impl Members {
     }
 }
 
-fn lease_state(lease: &Lease) -> LeaseState {
+pub fn lease_state(lease: &Lease) -> LeaseState {
     let spec = lease.spec.clone().unwrap_or_default();
     LeaseState {
         holder: spec.holder_identity,
@@ -73,5 +83,6 @@ fn lease_state(lease: &Lease) -> LeaseState {
         renew_marker: spec.renew_time.map(|t| serde_json::to_string(&t).unwrap_or_default()),
         duration: Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64),
         acked_generation: lease.annotations().get(ACK_ANNOTATION).and_then(|g| g.parse().ok()),
+        uid: lease.uid(),
     }
 }

@@ -12,6 +12,7 @@ use super::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
 use crate::api::ApplicationTrafficPolicy;
 use crate::sharding::assignment::Slot;
 use crate::sharding::bucket::bucket_of;
+use crate::sharding::membership::pod_of;
 
 /// Prints one line per replica: its lease holder, buckets, and the namespaces with
 /// policies that fall in its buckets.
@@ -22,13 +23,13 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("no assignment in namespace {namespace:?}: is the operator running there?"))?;
     let (assignment, _) = decode(&cm).ok_or_else(|| anyhow::anyhow!("the assignment is malformed"))?;
     let leases = Api::<Lease>::namespaced(client.clone(), namespace).list(&ListParams::default()).await?;
-    let holders: BTreeMap<String, bool> = leases
+    // Pod → the incarnation holding its member Lease ("" once released).
+    let holders: BTreeMap<String, String> = leases
         .items
         .iter()
         .filter_map(|l| {
-            let member = l.name_any().strip_prefix(MEMBER_LEASE_PREFIX)?.to_string();
-            let held = l.spec.as_ref()?.holder_identity.as_deref().is_some_and(|h| !h.is_empty());
-            Some((member, held))
+            let pod = l.name_any().strip_prefix(MEMBER_LEASE_PREFIX)?.to_string();
+            Some((pod, l.spec.as_ref()?.holder_identity.clone().unwrap_or_default()))
         })
         .collect();
     let policies =
@@ -38,7 +39,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     for policy in &policies.items {
         let ns = policy.namespace().unwrap_or_default();
         match &assignment.slots[usize::from(bucket_of(&ns))] {
-            Slot::Owned(member) => {
+            Slot::Owned { member, .. } => {
                 namespaces.entry(member.clone()).or_default().insert(ns);
             }
             _ => {
@@ -47,21 +48,22 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         }
     }
     println!("assignment generation {}, {} policies", assignment.generation, policies.items.len());
-    println!("{:<28} {:<9} {:>7}  NAMESPACES", "REPLICA", "LEASE", "BUCKETS");
+    println!("{:<36} {:<9} {:>7}  NAMESPACES", "REPLICA (INCARNATION)", "LEASE", "BUCKETS");
     let shares = assignment.shares();
-    let members: BTreeSet<&String> = shares.keys().chain(holders.keys()).collect();
+    let members: BTreeSet<&String> = shares.keys().chain(holders.values().filter(|h| !h.is_empty())).collect();
     for member in members {
-        let lease = match holders.get(member) {
-            Some(true) => "held",
-            Some(false) => "released",
+        let lease = match holders.get(pod_of(member)) {
+            Some(holder) if holder == member => "held",
+            Some(holder) if holder.is_empty() => "released",
+            Some(_) => "replaced",
             None => "none",
         };
         let owned = namespaces.get(member).cloned().unwrap_or_default();
         let list: Vec<&str> = owned.iter().map(String::as_str).collect();
-        println!("{member:<28} {lease:<9} {:>7}  {}", shares.get(member).copied().unwrap_or(0), list.join(","));
+        println!("{member:<36} {lease:<9} {:>7}  {}", shares.get(member).copied().unwrap_or(0), list.join(","));
     }
     if !unowned.is_empty() {
-        println!("{:<28} {:<9} {:>7}  {}", "(moving)", "", "", unowned.into_iter().collect::<Vec<_>>().join(","));
+        println!("{:<36} {:<9} {:>7}  {}", "(moving)", "", "", unowned.into_iter().collect::<Vec<_>>().join(","));
     }
     Ok(())
 }

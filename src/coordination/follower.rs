@@ -1,0 +1,212 @@
+//! Applies the published assignment to this replica.
+//!
+//! On every new assignment: take our buckets from it, re-target the watches at once (a
+//! gained bucket is watched whatever still drains), and, once every bucket we lost has
+//! drained, acknowledge the generation on our Lease, which lets the leader hand the lost
+//! buckets on without waiting for the revocation to age.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::lease::MemberLease;
+use super::ownership::Ownership;
+use super::{ASSIGNMENT_CONFIGMAP, ShardConfig};
+use crate::sharding::assignment::Assignment;
+use crate::sharding::bucket::{self, Bucket};
+use crate::telemetry::admin::Health;
+use crate::telemetry::audit::Audit;
+
+/// The newest assignment this replica knows.
+#[derive(Clone, Debug)]
+pub struct Published {
+    pub assignment: Assignment,
+    /// `None` once the ConfigMap was seen deleted: the next write creates it.
+    pub resource_version: Option<String>,
+}
+
+/// The newest assignment, shared by the follower and the lease (which read it) and the
+/// leader (which writes it). It never goes back to an older generation.
+pub struct AssignmentView {
+    current: watch::Sender<Option<Published>>,
+}
+
+impl Default for AssignmentView {
+    fn default() -> Self {
+        Self { current: watch::channel(None).0 }
+    }
+}
+
+impl AssignmentView {
+    pub fn get(&self) -> Option<Published> {
+        self.current.borrow().clone()
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.current.borrow().as_ref().map_or(0, |p| p.assignment.generation)
+    }
+
+    /// Keeps the newer of what we have and `assignment`.
+    pub fn offer(&self, assignment: Assignment, resource_version: Option<String>) {
+        self.current.send_if_modified(|current| {
+            let newer = current.as_ref().is_none_or(|p| {
+                assignment.generation > p.assignment.generation
+                    || (assignment.generation == p.assignment.generation && p.resource_version != resource_version)
+            });
+            if newer {
+                *current = Some(Published { assignment, resource_version });
+            }
+            newer
+        });
+    }
+
+    /// The ConfigMap is gone: keep its content (and its generation, which must not go
+    /// back), and create it anew at the next write.
+    pub fn gone(&self) {
+        self.current.send_if_modified(|current| match current {
+            Some(p) if p.resource_version.is_some() => {
+                p.resource_version = None;
+                true
+            }
+            _ => false,
+        });
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Option<Published>> {
+        self.current.subscribe()
+    }
+}
+
+pub fn decode(cm: &ConfigMap) -> Option<(Assignment, String)> {
+    let data = cm.data.as_ref()?;
+    match Assignment::decode(data) {
+        Ok(assignment) => Some((assignment, cm.resource_version().unwrap_or_default())),
+        Err(error) => {
+            tracing::error!(%error, "the published assignment is malformed; keeping the previous one");
+            None
+        }
+    }
+}
+
+pub struct Follower {
+    config: ShardConfig,
+    ownership: Arc<Ownership>,
+    lease: Arc<MemberLease>,
+    view: Arc<AssignmentView>,
+    configmaps: Api<ConfigMap>,
+    selector: watch::Sender<Option<String>>,
+    health: Arc<Health>,
+    audit: Audit,
+    /// What the watches were last pointed at; `None` before the first selector.
+    watching: Option<BTreeSet<Bucket>>,
+    applied: u64,
+}
+
+impl Follower {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        client: Client,
+        config: &ShardConfig,
+        ownership: Arc<Ownership>,
+        lease: Arc<MemberLease>,
+        view: Arc<AssignmentView>,
+        selector: watch::Sender<Option<String>>,
+        health: Arc<Health>,
+        audit: Audit,
+    ) -> Self {
+        let configmaps = Api::namespaced(client, &config.namespace);
+        Self {
+            config: config.clone(),
+            ownership,
+            lease,
+            view,
+            configmaps,
+            selector,
+            health,
+            audit,
+            watching: None,
+            applied: 0,
+        }
+    }
+
+    pub async fn run(mut self, stop: CancellationToken) {
+        let selector = format!("metadata.name={ASSIGNMENT_CONFIGMAP}");
+        let mut events =
+            watcher(self.configmaps.clone(), watcher::Config::default().fields(&selector)).default_backoff().boxed();
+        let mut view = self.view.subscribe();
+        let mut ownership = self.ownership.subscribe();
+        loop {
+            let waiting_for_drain = self.step();
+            let wake = self.ownership.next_landing().unwrap_or_else(|| Instant::now() + self.config.retry_period);
+            tokio::select! {
+                event = events.next() => match event {
+                    Some(Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm))) => {
+                        if let Some((assignment, rv)) = decode(&cm) {
+                            self.view.offer(assignment, Some(rv));
+                        }
+                    }
+                    Some(Ok(watcher::Event::Delete(_))) => {
+                        tracing::warn!("the assignment ConfigMap was deleted; the leader publishes it again");
+                        self.view.gone();
+                    }
+                    Some(Err(error)) => tracing::warn!(%error, "assignment watch failed; retrying"),
+                    _ => {}
+                },
+                _ = view.changed() => {}
+                // Reconciles ending matter only while a lost bucket drains.
+                _ = ownership.changed(), if waiting_for_drain => {}
+                _ = tokio::time::sleep_until(wake) => {}
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+
+    /// Applies the newest assignment; true while lost buckets are still draining.
+    fn step(&mut self) -> bool {
+        if let Some(published) = self.view.get().filter(|p| p.assignment.generation > self.applied) {
+            self.applied = published.assignment.generation;
+            let change = self.ownership.apply(&published.assignment);
+            if !change.is_empty() {
+                tracing::info!(
+                    generation = self.applied,
+                    released = change.released.len(),
+                    acquired = change.acquired.len(),
+                    "ownership changed"
+                );
+            }
+        }
+        let owned = self.ownership.owned();
+        // Nothing is watched before the first assignment: until then we do not know our slice.
+        if self.applied > 0 && self.watching.as_ref() != Some(&owned) {
+            self.audit.record("owned", &self.applied, &bucket::ranges(&owned));
+            let selector = bucket::selector(&owned);
+            let first = self.watching.is_none();
+            self.selector.send_if_modified(|current| {
+                let changed = first || *current != selector;
+                *current = selector;
+                changed
+            });
+            self.watching = Some(owned);
+        }
+        if self.applied > 0 && self.ownership.lease_valid() {
+            self.health.ready("assignment");
+        }
+        match self.ownership.acknowledgeable() {
+            Some(generation) => {
+                if generation > self.lease.acknowledged() {
+                    self.lease.acknowledge(generation);
+                }
+                false
+            }
+            None => self.applied > 0,
+        }
+    }
+}

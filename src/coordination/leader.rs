@@ -1,0 +1,323 @@
+//! Leader election and the leader's singleton duties: publishing the assignment, labelling
+//! new policies (see [`super::labeller`]) and collecting abandoned member Leases.
+//!
+//! The leader is elected with kube-leader-election's `LeaseLock`, with the incarnation as
+//! holder. That library can let two candidates believe they won for a moment, so nothing
+//! here relies on a single leader:
+//! - publishing the assignment is a write with a resourceVersion precondition, so a stale
+//!   or second leader's write fails instead of overwriting;
+//! - a bucket leaves its owner only through a revocation that the owner acknowledged, or
+//!   that has aged past what the owner can still do (see `sharding::assignment`), so a
+//!   wrong view of who is alive costs time, never safety;
+//! - labelling a policy with its bucket writes the same value whoever does it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
+use kube::{Client, ResourceExt};
+use kube_leader_election::{LeaseLock, LeaseLockParams, LeaseLockResult};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::follower::AssignmentView;
+use super::labeller::label_unlabeled_policies;
+use super::members::{Members, lease_state};
+use super::ownership::Ownership;
+use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
+use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, plan};
+use crate::sharding::membership::{Liveness, pod_of};
+use crate::telemetry::metrics as m;
+
+/// A member Lease unchanged for this many lease durations is left over from a pod that is
+/// gone (scaled in, renamed), and the leader deletes it.
+const ABANDONED_AFTER_LEASES: u32 = 20;
+
+pub struct Leader {
+    client: Client,
+    lock: LeaseLock,
+    config: ShardConfig,
+    ownership: Arc<Ownership>,
+    members: Arc<Members>,
+    view: Arc<AssignmentView>,
+    configmaps: Api<ConfigMap>,
+    leases: Api<Lease>,
+    /// When we first knew each revoking generation was written: its revocations' clock.
+    known_since: Mutex<BTreeMap<u64, Instant>>,
+    /// (incarnation, revoking generation) pairs that a quorum read found silent.
+    confirmed_silent: Mutex<BTreeSet<(String, u64)>>,
+    /// When we last planned, for the unowned-time counter.
+    last_planned: Mutex<Option<Instant>>,
+}
+
+impl Leader {
+    pub fn new(
+        client: Client,
+        config: &ShardConfig,
+        ownership: Arc<Ownership>,
+        members: Arc<Members>,
+        view: Arc<AssignmentView>,
+    ) -> Self {
+        let params = LeaseLockParams {
+            lease_name: LEADER_LEASE.into(),
+            holder_id: config.incarnation.clone(),
+            lease_ttl: config.lease_duration,
+        };
+        Self {
+            lock: LeaseLock::new(client.clone(), &config.namespace, params),
+            configmaps: Api::namespaced(client.clone(), &config.namespace),
+            leases: Api::namespaced(client.clone(), &config.namespace),
+            client,
+            config: config.clone(),
+            ownership,
+            members,
+            view,
+            known_since: Mutex::default(),
+            confirmed_silent: Mutex::default(),
+            last_planned: Mutex::default(),
+        }
+    }
+
+    /// Campaigns and leads until `stop`; returns whether we were leading at the end.
+    pub async fn run(&self, stop: CancellationToken) -> bool {
+        let mut leading_until: Option<Instant> = None;
+        let mut next_attempt = Instant::now();
+        let mut labeler: Option<tokio::task::JoinHandle<()>> = None;
+        let mut members_changed = self.members.subscribe();
+        let mut view_changed = self.view.subscribe();
+        loop {
+            let now = Instant::now();
+            if now >= next_attempt {
+                next_attempt = now + self.config.retry_period;
+                // Only a member whose own lease is valid may lead.
+                if self.ownership.lease_valid() {
+                    match tokio::time::timeout(self.config.renew_deadline, self.lock.try_acquire_or_renew()).await {
+                        Ok(Ok(LeaseLockResult::Acquired(_))) => leading_until = Some(now + self.config.renew_deadline),
+                        Ok(Ok(_)) => leading_until = None,
+                        Ok(Err(error)) => tracing::debug!(%error, "leader election attempt failed"),
+                        Err(_) => tracing::debug!("leader election attempt timed out"),
+                    }
+                }
+            }
+            let leading = self.leading(leading_until);
+            m::set_leader(leading);
+            if leading {
+                if labeler.is_none() {
+                    tracing::info!("became the leader");
+                    let (client, namespace) = (self.client.clone(), self.config.watch_namespace.clone());
+                    labeler = Some(tokio::spawn(label_unlabeled_policies(client, namespace)));
+                }
+                self.publish(None).await;
+                self.collect_abandoned().await;
+            } else if let Some(task) = labeler.take() {
+                tracing::info!("no longer the leader");
+                task.abort();
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(next_attempt) => {}
+                _ = members_changed.changed() => {}
+                _ = view_changed.changed() => {}
+                _ = stop.cancelled() => {
+                    if let Some(task) = labeler.take() {
+                        task.abort();
+                    }
+                    return self.leading(leading_until);
+                }
+            }
+        }
+    }
+
+    fn leading(&self, leading_until: Option<Instant>) -> bool {
+        leading_until.is_some_and(|t| Instant::now() < t) && self.ownership.lease_valid()
+    }
+
+    /// On graceful shutdown, after our member lease is released: give our buckets away
+    /// ourselves, then step down, so nobody waits for a new election.
+    pub async fn hand_over(&self) {
+        self.publish(Some(&self.config.incarnation)).await;
+        match tokio::time::timeout(Duration::from_secs(5), self.lock.step_down()).await {
+            Ok(Ok(())) => tracing::info!("stepped down as leader"),
+            Ok(Err(error)) => tracing::warn!(%error, "stepping down failed"),
+            Err(_) => tracing::warn!("stepping down timed out"),
+        }
+        m::set_leader(false);
+    }
+
+    /// Plans and publishes until nothing more can change now: a revocation whose owner is
+    /// confirmed silent is followed by the reassignment at once.
+    async fn publish(&self, leaving: Option<&str>) {
+        for _ in 0..3 {
+            let Some((next, resource_version)) = self.next(leaving).await else { return };
+            if !self.write(&next, resource_version).await {
+                return;
+            }
+        }
+    }
+
+    async fn next(&self, leaving: Option<&str>) -> Option<(Assignment, Option<String>)> {
+        let me = &self.config.incarnation;
+        let now = Instant::now();
+        let current_view = self
+            .members
+            .with(|table| table.since_last_change(pod_of(me), now).is_some_and(|d| d < self.config.renew_deadline));
+        if !self.members.synced() || (leaving.is_none() && !current_view) {
+            tracing::debug!("member view is incomplete or stale; not planning");
+            return None;
+        }
+        let (mut current, resource_version) = match self.view.get() {
+            Some(p) => (p.assignment, p.resource_version),
+            None => (Assignment::default(), None),
+        };
+        if resource_version.is_none() {
+            // Publishing anew (first start, or the ConfigMap was deleted): generations are
+            // fencing epochs and must never go back.
+            current.generation = current.generation.max(self.members.with(|t| t.highest_acked()));
+        }
+        self.track_revocations(&current, now);
+        self.confirm_silent(&current, now).await;
+        let mut receivers = self.members.with(|t| t.receivers(leaving.is_none().then_some(me.as_str()), now));
+        if let Some(leaving) = leaving {
+            receivers.remove(leaving);
+        }
+        m::set_members_alive(receivers.len());
+        let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
+        m::record_unowned(current.unowned(&receivers), last.map_or(Duration::ZERO, |t| now - t));
+        let release = |from: &str, since: u64| -> bool {
+            if Some(from) == leaving {
+                return true; // we drained and released our own lease before handing over
+            }
+            let facts = self.members.with(|t| DrainFacts {
+                acked: t.acked_generation(from),
+                released: t.liveness(from, now) == Liveness::Released,
+                confirmed_silent: self.lock_confirmed().contains(&(from.to_string(), since)),
+                revoked_for: self.revoked_for(since, now),
+                lease_duration: t.lease_duration(from).unwrap_or(self.config.lease_duration),
+            });
+            may_reassign(since, facts)
+        };
+        plan(&current, &receivers, &release).map(|next| (next, resource_version))
+    }
+
+    /// Starts the clock of every revocation we see for the first time.
+    fn track_revocations(&self, current: &Assignment, now: Instant) {
+        let draining: BTreeSet<u64> = current
+            .slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Draining { since, .. } => Some(*since),
+                _ => None,
+            })
+            .collect();
+        let mut known = self.known_since.lock().unwrap_or_else(|p| p.into_inner());
+        known.retain(|g, _| draining.contains(g));
+        for since in draining {
+            known.entry(since).or_insert(now);
+        }
+        self.lock_confirmed().retain(|(_, since)| known.contains_key(since));
+    }
+
+    fn revoked_for(&self, since: u64, now: Instant) -> Duration {
+        let known = self.known_since.lock().unwrap_or_else(|p| p.into_inner());
+        known.get(&since).map_or(Duration::ZERO, |t| now.saturating_duration_since(*t))
+    }
+
+    /// For each revoked member that we have not seen renew for a lease duration, a quorum
+    /// read of its Lease: if it still shows the renewal we saw, no renewal cycle of that
+    /// member started after the revocation was written, so it stopped writing long ago.
+    async fn confirm_silent(&self, current: &Assignment, now: Instant) {
+        let revoked: BTreeSet<(String, u64)> = current
+            .slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Draining { from, since } => Some((from.clone(), *since)),
+                _ => None,
+            })
+            .collect();
+        for (from, since) in revoked {
+            if self.lock_confirmed().contains(&(from.clone(), since)) {
+                continue;
+            }
+            let Some(marker) = self.members.with(|t| t.silent(&from, now)) else { continue };
+            let name = format!("{MEMBER_LEASE_PREFIX}{}", pod_of(&from));
+            // Deleted, unreadable or slow: the revocation's clock decides instead.
+            let read = tokio::time::timeout(self.config.renew_deadline, self.leases.get_opt(&name)).await;
+            if let Ok(Ok(Some(lease))) = read {
+                let state = lease_state(&lease);
+                if state.holder.as_deref() == Some(&from) && state.renew_marker.unwrap_or_default() == marker {
+                    tracing::info!(member = %from, since, "confirmed silent since before its revocation");
+                    self.lock_confirmed().insert((from, since));
+                }
+            }
+        }
+    }
+
+    fn lock_confirmed(&self) -> std::sync::MutexGuard<'_, BTreeSet<(String, u64)>> {
+        self.confirmed_silent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes `next` if the ConfigMap is still at `resource_version` (creates it when
+    /// `None`); true when written.
+    async fn write(&self, next: &Assignment, resource_version: Option<String>) -> bool {
+        let cm = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(ASSIGNMENT_CONFIGMAP.into()),
+                namespace: Some(self.config.namespace.clone()),
+                resource_version: resource_version.clone(),
+                ..Default::default()
+            },
+            data: Some(next.encode()),
+            ..Default::default()
+        };
+        let written = match &resource_version {
+            Some(_) => self.configmaps.replace(ASSIGNMENT_CONFIGMAP, &PostParams::default(), &cm).await,
+            None => self.configmaps.create(&PostParams::default(), &cm).await,
+        };
+        match written {
+            Ok(written) => {
+                tracing::info!(generation = next.generation, "published assignment");
+                self.known_since.lock().unwrap_or_else(|p| p.into_inner()).insert(next.generation, Instant::now());
+                self.view.offer(next.clone(), written.resource_version());
+                true
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => {
+                tracing::warn!("the assignment ConfigMap is gone; publishing it anew");
+                self.view.gone();
+                false
+            }
+            // Someone wrote first (a newer view, or another leader): re-plan from the watch.
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                tracing::debug!("assignment changed meanwhile; re-planning");
+                false
+            }
+            Err(error) => {
+                tracing::warn!(%error, "publishing the assignment failed");
+                false
+            }
+        }
+    }
+
+    /// Deletes member Leases nobody has renewed for a long time (pods scaled away), with a
+    /// precondition, so a Lease renewed meanwhile is kept.
+    async fn collect_abandoned(&self) {
+        let after = self.config.lease_duration * ABANDONED_AFTER_LEASES;
+        let abandoned = self.members.with(|t| {
+            t.abandoned(after, Instant::now()).into_iter().map(|pod| (t.renew_marker(&pod), pod)).collect::<Vec<_>>()
+        });
+        for (marker, pod) in abandoned {
+            let name = format!("{MEMBER_LEASE_PREFIX}{pod}");
+            let Ok(Some(lease)) = self.leases.get_opt(&name).await else { continue };
+            if lease_state(&lease).renew_marker != marker {
+                continue;
+            }
+            let preconditions = Preconditions { uid: lease.uid(), resource_version: lease.resource_version() };
+            let params = DeleteParams { preconditions: Some(preconditions), ..Default::default() };
+            match self.leases.delete(&name, &params).await {
+                Ok(_) => tracing::info!(lease = %name, "deleted an abandoned member lease"),
+                Err(error) => tracing::debug!(%error, lease = %name, "could not delete an abandoned member lease"),
+            }
+        }
+    }
+}

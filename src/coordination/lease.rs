@@ -1,0 +1,220 @@
+//! This incarnation's member Lease, and the renewal cycle that gives it the right to write.
+//!
+//! Every write of the Lease is a compare-and-swap on its resourceVersion, so two processes
+//! with one pod name cannot both hold it: the holder is the incarnation, and a newcomer
+//! takes the Lease over only once it is released, or after it has seen the holder's
+//! renewal unchanged for a lease duration by its own clock (as client-go judges expiry).
+//! kube-leader-election is not used here because it renews for any process whose holder
+//! name matches and patches without a precondition.
+//!
+//! A renewal cycle is: renew the Lease, then read the assignment with a quorum read. Only a
+//! completed cycle extends the right to write ([`Ownership::confirm`]); see
+//! `sharding::slice` for why that makes a revocation safe without waiting for expiry.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::follower::{AssignmentView, decode};
+use super::ownership::Ownership;
+use super::{ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, ShardConfig};
+use crate::telemetry::metrics as m;
+
+/// Why a renewal did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum RenewError {
+    #[error("the member lease is held by {0}, which is still renewing it")]
+    HeldByOther(String),
+    #[error("the member lease changed meanwhile (another process wrote it)")]
+    Conflict,
+    #[error("renewing the member lease timed out")]
+    Timeout,
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+}
+
+pub struct MemberLease {
+    leases: Api<Lease>,
+    configmaps: Api<ConfigMap>,
+    name: String,
+    config: ShardConfig,
+    ownership: Arc<Ownership>,
+    view: Arc<AssignmentView>,
+    /// The generation to acknowledge on the Lease; a change triggers a renewal at once.
+    ack: watch::Sender<u64>,
+    /// Another holder's renewal as first seen: (holder, renewTime, when we first saw it).
+    foreign: Mutex<Option<(String, Option<MicroTime>, Instant)>>,
+}
+
+impl MemberLease {
+    pub fn new(client: Client, config: &ShardConfig, ownership: Arc<Ownership>, view: Arc<AssignmentView>) -> Self {
+        Self {
+            leases: Api::namespaced(client.clone(), &config.namespace),
+            configmaps: Api::namespaced(client, &config.namespace),
+            name: config.member_lease_name(),
+            config: config.clone(),
+            ownership,
+            view,
+            ack: watch::channel(0).0,
+            foreign: Mutex::new(None),
+        }
+    }
+
+    /// Runs renewal cycles every retry period (and at once for a new acknowledgement) until `stop`.
+    pub async fn keep(&self, stop: CancellationToken) {
+        let mut ack = self.ack.subscribe();
+        loop {
+            self.cycle().await;
+            m::set_lease_held(self.ownership.lease_valid());
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.retry_period) => {}
+                _ = ack.changed() => {}
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+
+    async fn cycle(&self) {
+        let started = Instant::now();
+        match tokio::time::timeout(self.config.renew_deadline, self.renew()).await.unwrap_or(Err(RenewError::Timeout)) {
+            Ok(()) => {}
+            Err(error @ RenewError::HeldByOther(_)) => {
+                tracing::warn!(%error, incarnation = %self.config.incarnation, "waiting for the member lease");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "renewing the member lease failed");
+                return;
+            }
+        }
+        // The quorum read that completes the cycle: only now may the deadline move.
+        match tokio::time::timeout(self.config.renew_deadline, self.configmaps.get_opt(ASSIGNMENT_CONFIGMAP)).await {
+            Ok(Ok(Some(cm))) => match decode(&cm) {
+                Some((assignment, rv)) => {
+                    self.ownership.confirm(started, &assignment);
+                    self.view.offer(assignment, Some(rv));
+                }
+                None => self.ownership.renewed(started),
+            },
+            Ok(Ok(None)) => {
+                self.view.gone();
+                self.ownership.renewed(started);
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "reading the assignment failed");
+                self.ownership.renewed(started);
+            }
+            Err(_) => {
+                tracing::warn!("reading the assignment timed out");
+                self.ownership.renewed(started);
+            }
+        }
+    }
+
+    /// One compare-and-swap write of the Lease: renew it, or take it if it is free.
+    async fn renew(&self) -> Result<(), RenewError> {
+        let me = &self.config.incarnation;
+        let Some(mut lease) = self.leases.get_opt(&self.name).await? else {
+            let lease =
+                Lease { metadata: ObjectMeta { name: Some(self.name.clone()), ..Default::default() }, spec: None };
+            return self.write(lease, true).await;
+        };
+        let spec = lease.spec.clone().unwrap_or_default();
+        let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
+        match holder {
+            Some(h) if &h == me => {}
+            None => {}
+            Some(other) => {
+                let duration = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64);
+                if !self.expired(&other, spec.renew_time.clone(), duration) {
+                    return Err(RenewError::HeldByOther(other));
+                }
+                tracing::warn!(previous = %other, "taking over a member lease that expired");
+            }
+        }
+        lease.metadata.managed_fields = None;
+        self.write(lease, false).await
+    }
+
+    /// Whether `holder` has not renewed for `duration`, as we have seen it.
+    fn expired(&self, holder: &str, renew_time: Option<MicroTime>, duration: Duration) -> bool {
+        let mut foreign = self.foreign.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        match &*foreign {
+            Some((h, t, since)) if h == holder && *t == renew_time => now.saturating_duration_since(*since) >= duration,
+            _ => {
+                *foreign = Some((holder.to_string(), renew_time, now));
+                false
+            }
+        }
+    }
+
+    async fn write(&self, mut lease: Lease, create: bool) -> Result<(), RenewError> {
+        let me = &self.config.incarnation;
+        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+        if spec.holder_identity.as_deref() != Some(me) {
+            spec.holder_identity = Some(me.clone());
+            spec.acquire_time = Some(now.clone());
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        }
+        spec.renew_time = Some(now);
+        spec.lease_duration_seconds = Some(self.config.lease_duration.as_secs() as i32);
+        let ack = *self.ack.borrow();
+        if ack > 0 {
+            lease.metadata.annotations.get_or_insert_with(BTreeMap::new).insert(ACK_ANNOTATION.into(), ack.to_string());
+        }
+        let result = if create {
+            self.leases.create(&PostParams::default(), &lease).await
+        } else {
+            self.leases.replace(&self.name, &PostParams::default(), &lease).await
+        };
+        match result {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(RenewError::Conflict),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Records on the Lease, with the next renewal (started at once), that every bucket not
+    /// ours in `generation` has drained.
+    pub fn acknowledge(&self, generation: u64) {
+        self.ack.send_if_modified(|g| std::mem::replace(g, generation) != generation);
+    }
+
+    pub fn acknowledged(&self) -> u64 {
+        *self.ack.borrow()
+    }
+
+    /// Gives the Lease up (holder emptied), so the others take over at once instead of
+    /// waiting for expiry. Only while we hold it: a compare-and-swap like every write.
+    pub async fn release(&self) {
+        let release = async {
+            let mut lease = self.leases.get(&self.name).await?;
+            let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+            if spec.holder_identity.as_deref() != Some(&self.config.incarnation) {
+                return Ok::<_, kube::Error>(false);
+            }
+            spec.holder_identity = Some(String::new());
+            lease.metadata.managed_fields = None;
+            self.leases.replace(&lease.name_any(), &PostParams::default(), &lease).await?;
+            Ok(true)
+        };
+        match tokio::time::timeout(Duration::from_secs(5), release).await {
+            Ok(Ok(true)) => tracing::info!(lease = %self.name, "member lease released"),
+            Ok(Ok(false)) => tracing::warn!("the member lease is no longer ours; nothing to release"),
+            Ok(Err(error)) => tracing::warn!(%error, "releasing the member lease failed; others wait for it to expire"),
+            Err(_) => tracing::warn!("releasing the member lease timed out; others wait for it to expire"),
+        }
+        m::set_lease_held(false);
+    }
+}

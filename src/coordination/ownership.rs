@@ -1,0 +1,201 @@
+//! What this replica may write right now: the pure [`Slice`] behind a lock, with a change
+//! signal, and the per-reconcile [`InFlight`] registration that drains count.
+//!
+//! Every write asks [`InFlight::permit`] just before it is sent, and stamps the epoch it
+//! returns. The answer is `None` from the moment the renew deadline of the last confirmed
+//! renewal cycle passes, even if no task noticed yet: a replica frozen by SIGSTOP checks
+//! the clock when it resumes.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::sharding::assignment::{Assignment, Epoch};
+use crate::sharding::bucket::Bucket;
+use crate::sharding::slice::{Change, Slice};
+use crate::telemetry::metrics as m;
+
+pub struct Ownership {
+    slice: Mutex<Slice>,
+    /// Bumped on every change: the owned set, a confirmation, a reconcile ending.
+    changed: watch::Sender<u64>,
+    write_bound: Duration,
+}
+
+impl Ownership {
+    pub fn new(incarnation: &str, renew_deadline: Duration, write_bound: Duration) -> Arc<Self> {
+        let (changed, _) = watch::channel(0);
+        Arc::new(Self { slice: Mutex::new(Slice::new(incarnation, renew_deadline)), changed, write_bound })
+    }
+
+    /// Takes our buckets from an assignment seen on the watch.
+    pub fn apply(&self, assignment: &Assignment) -> Change {
+        self.update(|slice| slice.apply(assignment))
+    }
+
+    /// A renewal cycle that started at `started` read `fresh` with a quorum read.
+    pub fn confirm(&self, started: Instant, fresh: &Assignment) -> Change {
+        self.update(|slice| slice.confirm(started, fresh))
+    }
+
+    /// A lease renewal that started at `started` succeeded, but the assignment could not
+    /// be read: we may lead, not write.
+    pub fn renewed(&self, started: Instant) {
+        self.lock().renewed(started);
+        self.notify();
+    }
+
+    /// Gives up every bucket (shutdown).
+    pub fn release_all(&self) -> Change {
+        self.update(Slice::release_all)
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Slice) -> Change) -> Change {
+        let (change, owned) = {
+            let mut slice = self.lock();
+            let change = f(&mut slice);
+            (change, slice.owned().len())
+        };
+        m::set_buckets_owned(owned);
+        m::count_handoffs(change.released.len(), change.acquired.len());
+        self.notify();
+        change
+    }
+
+    pub fn lease_valid(&self) -> bool {
+        self.lock().lease_valid(Instant::now())
+    }
+
+    /// When writing stops unless another renewal cycle completes.
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.lock().valid_until()
+    }
+
+    /// Registers a reconcile of `bucket`; `None` when the bucket is not ours to write.
+    pub fn begin(self: &Arc<Self>, bucket: Bucket) -> Option<InFlight> {
+        let epoch = self.lock().begin(bucket, Instant::now())?;
+        Some(InFlight { ownership: self.clone(), bucket, epoch })
+    }
+
+    pub fn owned(&self) -> BTreeSet<Bucket> {
+        self.lock().owned()
+    }
+
+    /// The generation to acknowledge once everything it took from us has drained.
+    pub fn acknowledgeable(&self) -> Option<u64> {
+        self.lock().acknowledgeable(Instant::now())
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.lock().generation()
+    }
+
+    /// When an abandoned write's bound passes next: a drain may complete then.
+    pub fn next_landing(&self) -> Option<Instant> {
+        self.lock().next_landing()
+    }
+
+    /// Waits until every released bucket has drained, or `timeout` passes.
+    pub async fn drained(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut changed = self.subscribe();
+        loop {
+            let now = Instant::now();
+            if self.lock().drain(now) {
+                return true;
+            }
+            let wake = self.next_landing().map_or(deadline, |t| t.min(deadline));
+            if now >= deadline || tokio::time::timeout_at(wake, changed.changed()).await.is_ok_and(|r| r.is_err()) {
+                return self.lock().drain(Instant::now());
+            }
+        }
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    fn notify(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slice> {
+        self.slice.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A reconcile in flight for a bucket; dropping it lets a drain proceed.
+pub struct InFlight {
+    ownership: Arc<Ownership>,
+    pub bucket: Bucket,
+    pub epoch: Epoch,
+}
+
+impl InFlight {
+    /// The epoch to stamp on a write about to be sent, while the bucket is still ours at
+    /// the epoch this reconcile started with.
+    pub fn permit(&self) -> Option<Epoch> {
+        self.ownership.lock().permit(self.bucket, Instant::now()).filter(|e| *e == self.epoch)
+    }
+
+    /// The longest one write may take (client and server side).
+    pub fn write_bound(&self) -> Duration {
+        self.ownership.write_bound
+    }
+
+    /// A write sent at `sent` was given up unanswered: it may still land until its bound.
+    pub fn abandoned(&self, sent: Instant) {
+        self.ownership.lock().abandoned(self.bucket, sent + self.ownership.write_bound);
+        self.ownership.notify();
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.ownership.lock().end(self.bucket);
+        self.ownership.notify();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharding::assignment::Slot;
+
+    fn mine(generation: u64, buckets: &[Bucket]) -> Assignment {
+        let mut a = Assignment { generation, ..Default::default() };
+        for b in buckets {
+            a.slots[usize::from(*b)] = Slot::Owned { member: "me_1".into(), epoch: generation };
+        }
+        a
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn writes_end_at_the_deadline_without_anyone_noticing() {
+        let o = Ownership::new("me_1", Duration::from_secs(10), Duration::from_secs(5));
+        o.confirm(Instant::now(), &mine(1, &[1, 2]));
+        let in_flight = o.begin(1).unwrap();
+        assert_eq!(in_flight.permit(), Some(1));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(in_flight.permit(), None, "fail-stop at the deadline");
+        assert!(o.begin(2).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_waits_for_reconciles_and_abandoned_writes() {
+        let o = Ownership::new("me_1", Duration::from_secs(10), Duration::from_secs(5));
+        o.confirm(Instant::now(), &mine(1, &[1, 2]));
+        let in_flight = o.begin(1).unwrap();
+        o.apply(&mine(2, &[2]));
+        assert_eq!(in_flight.permit(), None, "a lost bucket stops at once");
+        assert!(!o.drained(Duration::from_millis(50)).await);
+        in_flight.abandoned(Instant::now());
+        drop(in_flight);
+        assert!(!o.drained(Duration::from_secs(1)).await, "the abandoned write may still land");
+        assert!(o.drained(Duration::from_secs(5)).await);
+        assert_eq!(o.acknowledgeable(), Some(2));
+    }
+}

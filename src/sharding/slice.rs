@@ -1,0 +1,273 @@
+//! What one replica may work on, and when it may say it let go: the pure state behind
+//! `coordination::ownership`, with time passed in.
+//!
+//! The rules, each a method here:
+//! - A bucket may be written only while it is `Owned` by us in the newest assignment we
+//!   know, *and* we are within `renew_deadline` of the start of a renewal cycle: a lease
+//!   renewal followed by a quorum read of the assignment ([`Slice::confirm`]). So a
+//!   revocation written at `t` is either read by our next cycle, or our right to write
+//!   ends by `t + renew_deadline` (see docs/sharding.md).
+//! - A bucket we lose is *undrained* until no reconcile of it runs and no write of it can
+//!   still land: a write abandoned unanswered may land until its bound has passed.
+//! - We acknowledge a generation only when nothing is undrained.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::assignment::{Assignment, Epoch};
+use super::bucket::Bucket;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Change {
+    pub released: BTreeSet<Bucket>,
+    pub acquired: BTreeSet<Bucket>,
+}
+
+impl Change {
+    pub fn is_empty(&self) -> bool {
+        self.released.is_empty() && self.acquired.is_empty()
+    }
+}
+
+#[derive(Debug)]
+pub struct Slice {
+    me: String,
+    renew_deadline: Duration,
+    /// The generation of the assignment `owned` was taken from.
+    generation: u64,
+    owned: BTreeMap<Bucket, Epoch>,
+    /// Writes are allowed until then: the deadline of the last confirmed renewal cycle.
+    valid_until: Option<Instant>,
+    /// Our lease is ours until then (the renew deadline of the last renewal), whether or
+    /// not the assignment could be read: leading needs this, writing needs `valid_until`.
+    lease_until: Option<Instant>,
+    in_flight: BTreeMap<Bucket, usize>,
+    /// Released buckets not yet drained.
+    undrained: BTreeSet<Bucket>,
+    /// Per bucket, until when an abandoned write may still land.
+    landing: BTreeMap<Bucket, Instant>,
+}
+
+impl Slice {
+    pub fn new(me: &str, renew_deadline: Duration) -> Self {
+        Self {
+            me: me.to_string(),
+            renew_deadline,
+            generation: 0,
+            owned: BTreeMap::new(),
+            valid_until: None,
+            lease_until: None,
+            in_flight: BTreeMap::new(),
+            undrained: BTreeSet::new(),
+            landing: BTreeMap::new(),
+        }
+    }
+
+    /// Takes our buckets from `assignment`, unless we know a newer one.
+    pub fn apply(&mut self, assignment: &Assignment) -> Change {
+        if assignment.generation < self.generation {
+            return Change::default();
+        }
+        self.generation = assignment.generation;
+        let owned = assignment.owned_by(&self.me);
+        self.replace(owned)
+    }
+
+    /// A renewal cycle that started at `started` completed: the lease write succeeded and
+    /// the quorum read that followed it returned `fresh`.
+    pub fn confirm(&mut self, started: Instant, fresh: &Assignment) -> Change {
+        let change = self.apply(fresh);
+        self.renewed(started);
+        let until = started + self.renew_deadline;
+        if self.valid_until.is_none_or(|t| t < until) {
+            self.valid_until = Some(until);
+        }
+        change
+    }
+
+    /// A lease renewal that started at `started` succeeded (the assignment read may not).
+    pub fn renewed(&mut self, started: Instant) {
+        let until = started + self.renew_deadline;
+        if self.lease_until.is_none_or(|t| t < until) {
+            self.lease_until = Some(until);
+        }
+    }
+
+    /// Gives every bucket up (shutdown).
+    pub fn release_all(&mut self) -> Change {
+        self.replace(BTreeMap::new())
+    }
+
+    fn replace(&mut self, owned: BTreeMap<Bucket, Epoch>) -> Change {
+        let released: BTreeSet<Bucket> = self.owned.keys().filter(|b| !owned.contains_key(b)).copied().collect();
+        let acquired: BTreeSet<Bucket> = owned.keys().filter(|b| !self.owned.contains_key(b)).copied().collect();
+        self.undrained.extend(&released);
+        // A bucket given back while draining is ours again, in-flight work included.
+        self.undrained.retain(|b| !owned.contains_key(b));
+        self.owned = owned;
+        Change { released, acquired }
+    }
+
+    pub fn lease_valid(&self, now: Instant) -> bool {
+        self.lease_until.is_some_and(|t| now < t)
+    }
+
+    fn may_write(&self, now: Instant) -> bool {
+        self.valid_until.is_some_and(|t| now < t)
+    }
+
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.valid_until
+    }
+
+    /// The epoch to stamp on a write of `bucket`, while we may write it.
+    pub fn permit(&self, bucket: Bucket, now: Instant) -> Option<Epoch> {
+        if !self.may_write(now) {
+            return None;
+        }
+        self.owned.get(&bucket).copied()
+    }
+
+    /// Registers a reconcile of `bucket`; its epoch, or `None` when it is not ours.
+    pub fn begin(&mut self, bucket: Bucket, now: Instant) -> Option<Epoch> {
+        let epoch = self.permit(bucket, now)?;
+        *self.in_flight.entry(bucket).or_default() += 1;
+        Some(epoch)
+    }
+
+    pub fn end(&mut self, bucket: Bucket) {
+        if let Some(count) = self.in_flight.get_mut(&bucket) {
+            *count -= 1;
+            if *count == 0 {
+                self.in_flight.remove(&bucket);
+            }
+        }
+    }
+
+    /// A write of `bucket` was given up unanswered: it may still land until `until`.
+    pub fn abandoned(&mut self, bucket: Bucket, until: Instant) {
+        let at = self.landing.entry(bucket).or_insert(until);
+        *at = (*at).max(until);
+    }
+
+    /// Drops from the undrained set what has drained by `now`; true when nothing is left.
+    pub fn drain(&mut self, now: Instant) -> bool {
+        self.landing.retain(|_, until| *until > now);
+        let (in_flight, landing) = (&self.in_flight, &self.landing);
+        self.undrained.retain(|b| in_flight.contains_key(b) || landing.contains_key(b));
+        self.undrained.is_empty()
+    }
+
+    /// When the next abandoned write's bound passes, if one is pending.
+    pub fn next_landing(&self) -> Option<Instant> {
+        self.landing.values().min().copied()
+    }
+
+    /// The generation to acknowledge: everything it took from us has drained.
+    pub fn acknowledgeable(&mut self, now: Instant) -> Option<u64> {
+        (self.drain(now) && self.generation > 0).then_some(self.generation)
+    }
+
+    pub fn owned(&self) -> BTreeSet<Bucket> {
+        self.owned.keys().copied().collect()
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn undrained(&self) -> usize {
+        self.undrained.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharding::assignment::Slot;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    fn assignment(generation: u64, mine: &[(Bucket, Epoch)]) -> Assignment {
+        let mut a = Assignment { generation, ..Default::default() };
+        for (b, e) in mine {
+            a.slots[usize::from(*b)] = Slot::Owned { member: "me_1".into(), epoch: *e };
+        }
+        a
+    }
+
+    #[test]
+    fn writes_need_a_confirmed_cycle_and_end_at_its_deadline() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", S(10));
+        slice.apply(&assignment(1, &[(1, 1)]));
+        assert_eq!(slice.permit(1, t0), None, "no renewal cycle yet");
+        slice.confirm(t0, &assignment(1, &[(1, 1)]));
+        assert_eq!(slice.permit(1, t0 + S(9)), Some(1));
+        assert_eq!(slice.permit(1, t0 + S(10)), None, "fail-stop at the deadline, noticed or not");
+        assert_eq!(slice.permit(2, t0), None);
+    }
+
+    #[test]
+    fn a_revocation_read_in_a_cycle_ends_the_right_at_once() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", S(10));
+        slice.confirm(t0, &assignment(1, &[(1, 1), (2, 1)]));
+        let change = slice.confirm(t0 + S(2), &assignment(2, &[(2, 1)]));
+        assert_eq!(change.released, BTreeSet::from([1]));
+        assert_eq!(slice.permit(1, t0 + S(2)), None);
+        assert_eq!(slice.permit(2, t0 + S(11)), Some(1), "the deadline moved with the cycle");
+    }
+
+    #[test]
+    fn older_assignments_are_ignored() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", S(10));
+        slice.confirm(t0, &assignment(5, &[]));
+        assert!(slice.apply(&assignment(4, &[(1, 4)])).is_empty(), "a stale watch event");
+        assert_eq!(slice.permit(1, t0), None);
+    }
+
+    #[test]
+    fn drained_only_when_no_reconcile_runs_and_no_abandoned_write_can_land() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", S(10));
+        slice.confirm(t0, &assignment(1, &[(1, 1)]));
+        assert_eq!(slice.begin(1, t0), Some(1));
+        slice.apply(&assignment(2, &[]));
+        assert_eq!(slice.acknowledgeable(t0), None, "a reconcile of bucket 1 still runs");
+        slice.abandoned(1, t0 + S(5));
+        slice.end(1);
+        assert_eq!(slice.acknowledgeable(t0 + S(4)), None, "an abandoned write may still land");
+        assert_eq!(slice.acknowledgeable(t0 + S(5)), Some(2));
+    }
+
+    #[test]
+    fn a_bucket_given_back_while_draining_is_ours_again() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", S(10));
+        slice.confirm(t0, &assignment(1, &[(1, 1)]));
+        slice.begin(1, t0);
+        slice.apply(&assignment(2, &[]));
+        slice.apply(&assignment(3, &[(1, 3)]));
+        assert_eq!(slice.acknowledgeable(t0), Some(3));
+        assert_eq!(slice.permit(1, t0), Some(3), "with its new epoch");
+    }
+
+    #[test]
+    fn a_lapse_keeps_the_slice_but_refuses_writes_until_a_cycle_confirms_it() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", S(10));
+        slice.confirm(t0, &assignment(1, &[(1, 1)]));
+        assert!(!slice.lease_valid(t0 + S(30)));
+        slice.renewed(t0 + S(29));
+        assert!(slice.lease_valid(t0 + S(30)), "renewed, but the assignment could not be read");
+        assert_eq!(slice.permit(1, t0 + S(30)), None, "so no writes");
+        assert_eq!(slice.owned(), BTreeSet::from([1]), "watches and caches stay");
+        let change = slice.confirm(t0 + S(30), &assignment(1, &[(1, 1)]));
+        assert!(change.is_empty());
+        assert_eq!(slice.permit(1, t0 + S(31)), Some(1));
+    }
+}

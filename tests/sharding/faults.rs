@@ -1,0 +1,260 @@
+//! Faults beyond crashes: a duplicate process, deleted coordination objects, a write that
+//! arrives late, and a delete-and-recreate hidden in a watch gap.
+
+use std::sync::atomic::Ordering;
+
+use controlplane::ControlPlane;
+use controlplane::proxy::HoldingProxy;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, PostParams};
+use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::sharding::bucket::bucket_of;
+
+use crate::audit;
+use crate::common::eventually;
+use crate::fleet::{Fleet, policy, set_rate, until};
+use crate::server::{self, rate_of};
+use crate::{SERIAL, writers};
+
+fn assignment_generation(cm: &ConfigMap) -> u64 {
+    cm.data.as_ref().and_then(|d| d.get("generation")?.parse().ok()).unwrap_or(0)
+}
+
+async fn restart_apiserver() {
+    tokio::task::spawn_blocking(|| ControlPlane::shared().restart_apiserver().unwrap()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_with_the_same_pod_name_waits_for_the_first() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("twin", 6).await;
+    fleet.start("r-0").await;
+    fleet.start("r-1").await;
+    fleet.converged("the initial creation").await;
+    let first = fleet.users["r-0"][0].clone();
+    // A force-deleted pod's replacement, while the old process still runs and renews.
+    let mut twin = fleet.spawn("r-0", None).await;
+    let second = fleet.users["r-0"][1].clone();
+    let (stop_churn, churner) = fleet.churn();
+    // Both processes see every change; only one may act on them, while 40 writes land.
+    let by_first = || server::writes(&fleet.env.cp.audit_log_path(), &[first.clone()].into_iter().collect()).len();
+    let baseline = by_first();
+    eventually("the first r-0 made 40 more writes while the second one waited", || async {
+        assert!(!twin.is_ready(), "the second r-0 became ready while the first one holds the lease");
+        assert!(writers(&fleet, std::slice::from_ref(&second)).is_empty(), "the second r-0 wrote");
+        (by_first() >= baseline + 40).then_some(())
+    })
+    .await;
+    assert!(writers(&fleet, std::slice::from_ref(&second)).is_empty(), "the second r-0 wrote while the first ran");
+    let readyz = twin.get("/readyz").unwrap();
+    assert!(readyz.contains("waiting for"), "{readyz}");
+
+    // The first process dies: the second takes the lease over once it expires, and works.
+    let t_kill = fleet.kill("r-0");
+    twin.wait_ready().await;
+    fleet.replicas.insert("r-0".into(), twin);
+    stop_churn.store(true, Ordering::Relaxed);
+    churner.await.unwrap();
+    fleet.converged("the first r-0 died").await;
+    fleet.balanced().await;
+    let reconciles = crate::assert_no_overlapping_reconciles(&fleet, &[(t_kill, "r-0".into())]);
+    let took_over = writers(&fleet, &[second]);
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: duplicate pod name: {reconciles} reconciles, {} writes seen by the server, {} overlapping, \
+         {} fenced; the second process wrote only after the first died: {}",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced,
+        !took_over.is_empty()
+    );
+    assert!(!took_over.is_empty(), "the second r-0 never took over");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_member_lease_is_not_taken_for_a_dead_member() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("lease", 30).await;
+    for name in ["r-0", "r-1", "r-2"] {
+        fleet.start(name).await;
+    }
+    fleet.converged("the initial creation").await;
+    let (stop_churn, churner) = fleet.churn();
+    let leases = fleet.env.api::<Lease>();
+    let name = "traffic-policy-operator-member-r-1";
+    leases.delete(name, &DeleteParams::default()).await.unwrap();
+    // r-1 keeps working and writes its Lease again; its slice moves only through revocation.
+    eventually("r-1 holds its member lease again", || async {
+        let lease = leases.get_opt(name).await.ok()??;
+        lease.spec?.holder_identity.filter(|h| h.starts_with("r-1_")).map(|_| ())
+    })
+    .await;
+    fleet.converged("the lease deletion").await;
+    fleet.balanced().await;
+    stop_churn.store(true, Ordering::Relaxed);
+    churner.await.unwrap();
+    fleet.converged("the last change").await;
+    let reconciles = crate::assert_no_overlapping_reconciles(&fleet, &[]);
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: deleted member lease: {reconciles} reconciles, {} writes seen by the server, \
+         {} overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_assignment_and_a_lapse_of_every_replica_keep_epochs_growing() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("assignment", 20).await;
+    for name in ["r-0", "r-1"] {
+        fleet.start(name).await;
+    }
+    fleet.converged("the initial creation").await;
+    let configmaps = fleet.env.api::<ConfigMap>();
+    let assignment = "traffic-policy-operator-assignment";
+    let before = assignment_generation(&configmaps.get(assignment).await.unwrap());
+    let (stop_churn, churner) = fleet.churn();
+    configmaps.delete(assignment, &DeleteParams::default()).await.unwrap();
+    // Every replica lapses while the API server is down.
+    restart_apiserver().await;
+    let after = eventually("the assignment is published again", || async {
+        configmaps.get_opt(assignment).await.ok()?.map(|cm| assignment_generation(&cm))
+    })
+    .await;
+    assert!(after > before, "the generation went back from {before} to {after}: epochs would go back");
+    stop_churn.store(true, Ordering::Relaxed);
+    churner.await.unwrap();
+    fleet.converged("the assignment was deleted and every replica lapsed").await;
+    fleet.balanced().await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: deleted assignment (generation {before} → {after}) and an apiserver restart: \
+         {} writes seen by the server, {} overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("fence", 12).await;
+    fleet.start("r-1").await;
+    fleet.start("r-2").await;
+    // r-0 reaches the API server through a proxy that can hold its requests.
+    let proxy = HoldingProxy::start(fleet.env.cp.server_url().rsplit(':').next().unwrap().parse().unwrap()).unwrap();
+    let mut slow = fleet.spawn("r-0", Some(proxy.port())).await;
+    slow.wait_ready().await;
+    fleet.replicas.insert("r-0".into(), slow);
+    fleet.converged("the initial creation").await;
+    fleet.balanced().await;
+
+    // A policy in r-0's slice.
+    let owned = audit::ownership_changes(&fleet.audit())
+        .into_iter()
+        .rfind(|(_, replica, _)| replica == "r-0")
+        .map(|(_, _, buckets)| buckets)
+        .unwrap();
+    let namespace = fleet.namespaces.iter().find(|ns| owned.contains(&bucket_of(ns))).cloned().expect("r-0 owns one");
+    let child = format!("{namespace}/app-0");
+    let client = fleet.client();
+
+    // r-0's write of the next spec is held on its way, past r-0's lease and a handoff.
+    proxy.hold();
+    let stale = set_rate(&client, &namespace, "app-0").await.unwrap();
+    let newer = eventually("a new owner applied the spec r-0's write carries, then a newer one", || async {
+        let cm = fleet.env_api_configmap(&namespace, "app-0").await?;
+        (rate_of(&cm)? == stale).then_some(())?;
+        set_rate(&client, &namespace, "app-0").await
+    })
+    .await;
+    until("the new owner applied the newer spec", || fleet.forward.last(&child) == Some(newer)).await;
+
+    // Let the held write go: the API server must refuse it, and keep the newer state.
+    let fenced_before = fleet.verdict().fenced;
+    proxy.release();
+    eventually("the late write reached the API server and was fenced", || async {
+        (fleet.verdict().fenced > fenced_before).then_some(())
+    })
+    .await;
+    let cm = fleet.env_api_configmap(&namespace, "app-0").await.unwrap();
+    assert_eq!(rate_of(&cm), Some(newer), "the late write must not have replaced the newer state");
+    fleet.converged("the late write").await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: late write held past a handoff: {} writes seen by the server, {} overlapping, \
+         {} fenced late writes",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+    assert!(verdict.fenced >= 1);
+    drop(proxy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconciled() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("regap", 1).await;
+    fleet.start("r-0").await;
+    fleet.converged("the initial creation").await;
+    let namespace = fleet.namespaces[0].clone();
+    let policies = Api::<ApplicationTrafficPolicy>::namespaced(fleet.client(), &namespace);
+    let old_uid = policies.get("app-0").await.unwrap().uid().unwrap();
+
+    // While the replica is frozen, the policy is deleted and created again with the same
+    // spec (generation 1 again); the API server restarts, so its watch resumes with a relist.
+    fleet.replicas["r-0"].process.signal(libc::SIGSTOP);
+    let thaw = scopeguard(&fleet.replicas["r-0"].process);
+    policies.delete("app-0", &DeleteParams::default()).await.unwrap();
+    until_gone(&policies, "app-0").await;
+    let mut again = policy("app-0", "regap");
+    again.metadata.namespace = Some(namespace.clone());
+    let created = policies.create(&PostParams::default(), &again).await.unwrap();
+    assert_ne!(created.uid(), Some(old_uid.clone()));
+    restart_apiserver().await;
+    drop(thaw);
+
+    let ready = eventually("the new policy is Ready for its generation", || async {
+        let p = policies.get_opt("app-0").await.ok()??;
+        let s = p.status.as_ref()?;
+        let ready = s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True);
+        (ready && s.observed_generation == p.metadata.generation).then_some(p)
+    })
+    .await;
+    let new_uid = ready.uid().unwrap();
+    eventually("the children belong to the new policy", || async {
+        let cm = fleet.env_api_configmap(&namespace, "app-0").await?;
+        cm.owner_references().iter().any(|o| o.uid == new_uid).then_some(())
+    })
+    .await;
+    let verdict = fleet.finish().await;
+    println!("delete and recreate in a watch gap: reconciled; {} writes seen by the server", verdict.writes);
+}
+
+async fn until_gone(api: &Api<ApplicationTrafficPolicy>, name: &str) {
+    eventually(&format!("{name} is gone"), || async { api.get_opt(name).await.ok()?.is_none().then_some(()) }).await;
+}
+
+/// Sends SIGCONT when dropped, so a failing test does not leave a process frozen.
+fn scopeguard(process: &controlplane::process::Process) -> impl Drop + '_ {
+    struct Thaw<'a>(&'a controlplane::process::Process);
+    impl Drop for Thaw<'_> {
+        fn drop(&mut self) {
+            self.0.signal(libc::SIGCONT);
+        }
+    }
+    Thaw(process)
+}
+
+impl Fleet {
+    async fn env_api_configmap(&self, namespace: &str, name: &str) -> Option<ConfigMap> {
+        Api::<ConfigMap>::namespaced(self.client(), namespace).get_opt(name).await.ok()?
+    }
+}

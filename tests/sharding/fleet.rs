@@ -1,0 +1,255 @@
+//! A fleet of operator replicas for one scenario: separate processes of the real binary,
+//! each under its own service account (so the API server's audit log tells them apart),
+//! in the scenario's own operator namespace, writing replica-side audit logs too.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use controlplane::Grant;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use serde_json::json;
+use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+
+use crate::audit;
+use crate::common::{Operator, TestEnv, eventually, operator_cluster_role};
+use crate::server::{self, ForwardOnly, Verdict};
+
+pub fn lease_duration() -> Duration {
+    crate::common::lease_timings().0
+}
+
+pub fn renew_deadline() -> Duration {
+    crate::common::lease_timings().1
+}
+pub const PER_NAMESPACE: usize = 5;
+
+pub fn now_ns() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
+}
+
+/// One counter for every spec change the tests make: values only ever grow.
+static COUNTER: AtomicU64 = AtomicU64::new(1);
+
+pub struct Fleet {
+    pub env: TestEnv,
+    pub audit_dir: PathBuf,
+    pub replicas: BTreeMap<String, Operator>,
+    /// The service-account users of every process started, by replica name.
+    pub users: BTreeMap<String, Vec<String>>,
+    pub namespaces: Vec<String>,
+    pub forward: ForwardOnly,
+    watcher: tokio::task::JoinHandle<()>,
+    launches: usize,
+    scenario: String,
+}
+
+impl Fleet {
+    /// A fleet for `scenario`, with `namespaces` × [`PER_NAMESPACE`] policies of its own.
+    pub async fn new(scenario: &str, namespaces: usize) -> Self {
+        let env = TestEnv::new(&format!("op-{scenario}")).await;
+        let audit_dir = env.cp.dir().join(format!("audit-{scenario}"));
+        std::fs::create_dir_all(&audit_dir).unwrap();
+        let (forward, watcher) = ForwardOnly::watch(env.client.clone());
+        let mut fleet = Self {
+            env,
+            audit_dir,
+            replicas: BTreeMap::new(),
+            users: BTreeMap::new(),
+            namespaces: Vec::new(),
+            forward,
+            watcher,
+            launches: 0,
+            scenario: scenario.into(),
+        };
+        for i in 0..namespaces {
+            let ns = format!("{scenario}-{i}");
+            create_policies(&fleet.env.client, &ns, scenario, PER_NAMESPACE).await;
+            fleet.namespaces.push(ns);
+        }
+        fleet
+    }
+
+    pub fn client(&self) -> Client {
+        self.env.client.clone()
+    }
+
+    pub fn total(&self) -> usize {
+        self.namespaces.len() * PER_NAMESPACE
+    }
+
+    /// Starts replica `name` as a new process and waits until it is ready.
+    pub async fn start(&mut self, name: &str) {
+        let mut replica = self.spawn(name, None).await;
+        replica.wait_ready().await;
+        self.replicas.insert(name.to_string(), replica);
+    }
+
+    /// Starts a process for replica `name` without waiting, optionally through another
+    /// API server address (a proxy); returns it unregistered.
+    pub async fn spawn(&mut self, name: &str, via_port: Option<u16>) -> Operator {
+        self.launches += 1;
+        let account = format!("{name}-{}", self.launches);
+        let grants = vec![Grant::ClusterRole(operator_cluster_role().metadata.name.unwrap())];
+        let identity = self.env.operator_identity(&account, Some(grants)).await;
+        self.users.entry(name.to_string()).or_default().push(identity.user.clone());
+        let mut kubeconfig = identity.kubeconfig_path.clone();
+        if let Some(port) = via_port {
+            let text = std::fs::read_to_string(&kubeconfig).unwrap();
+            let server = self.env.cp.server_url();
+            let text = text.replace(&server, &format!("https://127.0.0.1:{port}"));
+            kubeconfig = kubeconfig.with_extension("proxied.kubeconfig");
+            std::fs::write(&kubeconfig, text).unwrap();
+        }
+        let args = vec![
+            format!("--namespace={}", self.env.namespace),
+            format!("--audit-log={}", self.audit_dir.join(format!("{account}.jsonl")).display()),
+            "--workers=4".to_string(),
+        ];
+        Operator::spawn(self.env.cp, &kubeconfig, name, &args)
+    }
+
+    pub fn kill(&mut self, name: &str) -> u128 {
+        let mut replica = self.replicas.remove(name).unwrap();
+        let t = now_ns();
+        replica.process.signal(libc::SIGKILL);
+        replica.stop();
+        t
+    }
+
+    pub fn terminate(&mut self, name: &str) -> u128 {
+        let mut replica = self.replicas.remove(name).unwrap();
+        let t = now_ns();
+        let status = replica.stop().expect("exits");
+        assert!(status.success(), "{name} must exit 0 on SIGTERM, got {status}");
+        t
+    }
+
+    /// Per replica: (buckets owned, objects cached).
+    pub fn shares(&self) -> BTreeMap<String, (f64, f64)> {
+        self.replicas
+            .iter()
+            .map(|(name, r)| {
+                (
+                    name.clone(),
+                    (r.metric("traffic_policy_buckets_owned", None), r.metric("traffic_policy_cached_objects", None)),
+                )
+            })
+            .collect()
+    }
+
+    /// Every replica owns something and all 1024 buckets are owned.
+    pub async fn balanced(&self) -> BTreeMap<String, (f64, f64)> {
+        eventually("every replica owns a slice and every bucket is owned", || async {
+            let shares = self.shares();
+            let owned: f64 = shares.values().map(|(b, _)| b).sum();
+            (shares.values().all(|(b, _)| *b > 0.0) && owned == 1024.0).then_some(shares)
+        })
+        .await
+    }
+
+    /// Waits until every policy of this scenario is Ready for its latest generation.
+    pub async fn converged(&self, what: &str) -> usize {
+        let policies = Api::<ApplicationTrafficPolicy>::all(self.client());
+        let labels = format!("scenario={}", self.scenario);
+        eventually(&format!("every policy converges after {what}"), || async {
+            let list = policies.list(&ListParams::default().labels(&labels)).await.ok()?;
+            let all = list.items.iter().all(|p| {
+                p.status.as_ref().is_some_and(|s| {
+                    s.observed_generation == p.metadata.generation
+                        && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
+                })
+            });
+            all.then_some(list.items.len())
+        })
+        .await
+    }
+
+    /// Keeps changing specs (one every 50 ms) until the returned flag is set.
+    pub fn churn(&self) -> (Arc<AtomicBool>, tokio::task::JoinHandle<u64>) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (client, namespaces, flag) = (self.client(), self.namespaces.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            let mut changes = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                let ns = &namespaces[rand::random_range(0..namespaces.len())];
+                let name = format!("app-{}", rand::random_range(0..PER_NAMESPACE));
+                // A restarting API server makes some of these fail; that is fine.
+                if set_rate(&client, ns, &name).await.is_some() {
+                    changes += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            changes
+        });
+        (stop, task)
+    }
+
+    /// What the API server received from this fleet's processes, judged.
+    pub fn verdict(&self) -> Verdict {
+        let users: BTreeSet<String> = self.users.values().flatten().cloned().collect();
+        server::judge(&server::writes(&self.env.cp.audit_log_path(), &users))
+    }
+
+    pub fn audit(&self) -> Vec<audit::Entry> {
+        audit::read_all(&self.audit_dir)
+    }
+
+    /// Stops every replica and checks what the server saw: no overlapping writes, no
+    /// child going back to an older spec. Returns the verdict for the summary.
+    pub async fn finish(mut self) -> Verdict {
+        for name in self.replicas.keys().cloned().collect::<Vec<_>>() {
+            self.terminate(&name);
+        }
+        self.watcher.abort();
+        let verdict = self.verdict();
+        let regressions = self.forward.regressions();
+        assert!(verdict.overlapping.is_empty(), "overlapping writes seen by the server: {:?}", verdict.overlapping);
+        assert!(regressions.is_empty(), "children went back to an older spec: {regressions:?}");
+        let namespaces = Api::<Namespace>::all(self.client());
+        for ns in &self.namespaces {
+            let _ = namespaces.delete(ns, &DeleteParams::default()).await;
+        }
+        verdict
+    }
+}
+
+/// Sets a policy's rate to the next value of the global counter; the value set.
+pub async fn set_rate(client: &Client, namespace: &str, name: &str) -> Option<u64> {
+    let value = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": value } } });
+    let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.ok().map(|_| value)
+}
+
+pub async fn create_policies(client: &Client, namespace: &str, scenario: &str, count: usize) {
+    let ns =
+        Namespace { metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() }, ..Default::default() };
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
+    let policies = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
+    for i in 0..count {
+        policies.create(&PostParams::default(), &policy(&format!("app-{i}"), scenario)).await.unwrap();
+    }
+}
+
+pub fn policy(name: &str, scenario: &str) -> ApplicationTrafficPolicy {
+    serde_json::from_value(json!({
+        "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+        "metadata": { "name": name, "labels": { "scenario": scenario } },
+        "spec": {
+            "applicationSelector": { "matchLabels": { "app": name } },
+            "ingressRules": [{ "from": [{ "ipBlock": { "cidr": "10.0.0.0/8" } }], "ports": [{ "port": 8080 }] }],
+            "rateLimit": { "requestsPerSecond": COUNTER.fetch_add(1, Ordering::Relaxed) }
+        }
+    }))
+    .unwrap()
+}
+
+/// Polls `check` until it holds, for up to `DEADLINE`.
+pub async fn until(what: &str, mut check: impl FnMut() -> bool) {
+    eventually(what, || std::future::ready(check().then_some(()))).await
+}
