@@ -35,8 +35,8 @@ use status::Outcome;
 /// The field manager of every write we make.
 pub const FIELD_MANAGER: &str = "traffic-policy-operator";
 
-/// The name of the fencing ValidatingAdmissionPolicy (deploy/fencing/); its denials name it.
-pub const FENCING_POLICY: &str = "trafficpolicy.dev-fencing";
+/// What the fencing ValidatingAdmissionPolicy (deploy/fencing/) says when it refuses a write.
+pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 
 /// Drops what the reconcile never reads before a policy is cached (the cache holds one per
 /// policy, so every field counts): managed fields, annotations, the creation timestamp,
@@ -168,7 +168,7 @@ impl TrafficPolicyReconciler {
 
 /// The fencing policy refused the write: a newer owner has written since.
 fn is_fenced(status: &kube::core::Status) -> bool {
-    status.message.contains(FENCING_POLICY)
+    status.message.contains(FENCED_MESSAGE)
 }
 
 impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {

@@ -65,7 +65,7 @@ pub fn writes(audit_log: &Path, users: &BTreeSet<String>) -> Vec<Write> {
                 object,
                 code,
                 epoch,
-                fenced: message.contains("trafficpolicy.dev-fencing"),
+                fenced: message.contains("refused a write with shard epoch"),
             })
         })
         .collect();
