@@ -196,9 +196,8 @@ impl Follower {
             });
             self.watching = Some(owned);
         }
-        if self.applied > 0 && self.ownership.lease_valid() {
-            self.health.ready("assignment");
-        }
+        // Ready only while we may write what the assignment gives us: closed again by a lapse.
+        self.health.set("assignment", self.applied > 0 && self.ownership.may_write());
         match self.ownership.acknowledgeable() {
             Some(generation) => {
                 if generation > self.lease.acknowledged() {

@@ -174,7 +174,12 @@ impl Leader {
         if resource_version.is_none() {
             // Publishing anew (first start, or the ConfigMap was deleted): generations are
             // fencing epochs and must never go back.
-            current.generation = current.generation.max(self.members.with(|t| t.highest_acked()));
+            let floor = current.generation.max(self.members.with(|t| t.highest_generation()));
+            if current.generation == 0 && floor > 0 {
+                // An assignment existed that we never saw: its owners may still be writing.
+                current = Assignment::after_loss(floor + 1);
+            }
+            current.generation = current.generation.max(floor);
         }
         self.track_revocations(&current, now);
         self.confirm_silent(&current, now).await;
@@ -198,7 +203,14 @@ impl Leader {
             });
             may_reassign(since, facts)
         };
-        plan(&current, &receivers, &release).map(|next| (next, resource_version))
+        match plan(&current, &receivers, &release) {
+            Some(next) => Some((next, resource_version)),
+            // The ConfigMap is gone: publish what we know again, under a new generation.
+            None if resource_version.is_none() && current.generation > 0 => {
+                Some((Assignment { generation: current.generation + 1, ..current }, None))
+            }
+            None => None,
+        }
     }
 
     /// Starts the clock of every revocation we see for the first time.

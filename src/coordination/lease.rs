@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::follower::{AssignmentView, decode};
 use super::ownership::Ownership;
-use super::{ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, ShardConfig};
+use super::{ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, SEEN_ANNOTATION, ShardConfig};
 use crate::telemetry::metrics as m;
 
 /// Why a renewal did not happen.
@@ -169,9 +169,14 @@ impl MemberLease {
         }
         spec.renew_time = Some(now);
         spec.lease_duration_seconds = Some(self.config.lease_duration.as_secs() as i32);
+        let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
         let ack = *self.ack.borrow();
         if ack > 0 {
-            lease.metadata.annotations.get_or_insert_with(BTreeMap::new).insert(ACK_ANNOTATION.into(), ack.to_string());
+            annotations.insert(ACK_ANNOTATION.into(), ack.to_string());
+        }
+        let seen = self.ownership.generation();
+        if seen > 0 {
+            annotations.insert(SEEN_ANNOTATION.into(), seen.to_string());
         }
         let result = if create {
             self.leases.create(&PostParams::default(), &lease).await

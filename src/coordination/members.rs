@@ -11,7 +11,7 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{ACK_ANNOTATION, MEMBER_LEASE_PREFIX};
+use super::{ACK_ANNOTATION, MEMBER_LEASE_PREFIX, SEEN_ANNOTATION};
 use crate::sharding::membership::{LeaseState, MemberTable};
 use crate::telemetry::admin::Health;
 
@@ -83,6 +83,7 @@ pub fn lease_state(lease: &Lease) -> LeaseState {
         renew_marker: spec.renew_time.map(|t| serde_json::to_string(&t).unwrap_or_default()),
         duration: Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64),
         acked_generation: lease.annotations().get(ACK_ANNOTATION).and_then(|g| g.parse().ok()),
+        seen_generation: lease.annotations().get(SEEN_ANNOTATION).and_then(|g| g.parse().ok()),
         uid: lease.uid(),
     }
 }

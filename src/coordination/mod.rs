@@ -29,6 +29,9 @@ pub const LEADER_LEASE: &str = "traffic-policy-operator-leader";
 pub const ASSIGNMENT_CONFIGMAP: &str = "traffic-policy-operator-assignment";
 /// On a member Lease: the assignment generation its holder has applied and drained.
 pub const ACK_ANNOTATION: &str = "trafficpolicy.dev/applied-assignment";
+/// On a member Lease: the newest assignment generation its holder has seen (written with every
+/// renewal), a floor for the generation of an assignment that must be published anew.
+pub const SEEN_ANNOTATION: &str = "trafficpolicy.dev/seen-assignment";
 
 /// Who we are and the lease timings, validated by the CLI.
 #[derive(Clone, Debug)]

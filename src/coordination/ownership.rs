@@ -69,6 +69,11 @@ impl Ownership {
         self.lock().lease_valid(Instant::now())
     }
 
+    /// Whether a renewal cycle has confirmed our right to write, and it has not lapsed.
+    pub fn may_write(&self) -> bool {
+        self.lock().may_write(Instant::now())
+    }
+
     /// When writing stops unless another renewal cycle completes.
     pub fn valid_until(&self) -> Option<Instant> {
         self.lock().valid_until()

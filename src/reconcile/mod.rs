@@ -125,7 +125,10 @@ impl TrafficPolicyReconciler {
     ) -> Result<()> {
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let mut next = status::next_status(policy.status.as_ref(), policy.meta().generation, outcome, &now);
-        if policy.status.as_ref() == Some(&next) {
+        // Unchanged, and stamped with our token already: nothing to write. A status stamped by a
+        // previous owner is stamped anew, so that a late write of that owner's is refused.
+        let stamped = next.shard_epoch.is_some_and(|e| e >= gate.token());
+        if policy.status.as_ref() == Some(&next) && stamped {
             return Ok(());
         }
         next.shard_epoch = Some(gate.check("status")?);

@@ -27,6 +27,8 @@ pub trait WriteGate: Send + Sync {
     fn routing_labels(&self) -> Vec<(String, String)>;
     /// A write sent at `sent` was given up unanswered; it may still land for a while.
     fn abandoned(&self, sent: Instant);
+    /// The fencing token this reconcile writes under (without checking it is still valid).
+    fn token(&self) -> u64;
 }
 
 /// A reconciler whose writes go through a [`WriteGate`].
@@ -43,7 +45,9 @@ pub async fn bounded<T>(gate: &dyn WriteGate, write: impl Future<Output = kube::
     let bound = gate.write_bound();
     let mut abandoned = AbandonOnDrop { gate, sent, armed: true };
     let result = tokio::time::timeout(bound, write).await;
-    abandoned.armed = result.is_err();
+    // Only an answer from the server says the write is over; a transport error after the
+    // request was sent says nothing of whether it will still be applied.
+    abandoned.armed = !matches!(result, Ok(Ok(_)) | Ok(Err(kube::Error::Api(_))));
     match result {
         Ok(result) => Ok(result?),
         Err(_) => Err(Error::Timeout(bound)),
@@ -94,6 +98,9 @@ mod tests {
         }
         fn routing_labels(&self) -> Vec<(String, String)> {
             Vec::new()
+        }
+        fn token(&self) -> u64 {
+            1
         }
         fn abandoned(&self, sent: Instant) {
             self.0.lock().unwrap().push(sent);

@@ -28,6 +28,10 @@ use super::ring::Ring;
 /// A bucket's ownership epoch: the assignment generation that gave it to its owner.
 pub type Epoch = u64;
 
+/// The owner named in slots revoked from whoever held them in an assignment that was lost
+/// (its ConfigMap deleted before this leader saw it): they move after a lease duration.
+pub const UNKNOWN_OWNER: &str = "(previous)";
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Slot {
     Free,
@@ -57,6 +61,13 @@ impl Default for Assignment {
 }
 
 impl Assignment {
+    /// An assignment to publish anew in place of one that was lost, at `generation`: every
+    /// bucket revoked from an unknown owner, since whoever held it may still be writing.
+    pub fn after_loss(generation: u64) -> Self {
+        let revoked = Slot::Draining { from: UNKNOWN_OWNER.into(), since: generation };
+        Self { generation, slots: vec![revoked; usize::from(BUCKETS)] }
+    }
+
     /// The buckets `member` may work on, with their epochs.
     pub fn owned_by(&self, member: &str) -> BTreeMap<Bucket, Epoch> {
         (0..BUCKETS)
@@ -119,6 +130,8 @@ impl Assignment {
             .split(',')
             .map(|s| match s {
                 "-" => Ok(Slot::Free),
+                // Written before epochs existed: a bare member index, epoch 0.
+                s if s.bytes().all(|b| b.is_ascii_digit()) => Ok(Slot::Owned { member: member(s)?, epoch: 0 }),
                 s => {
                     let (who, n) = s.split_once('@').ok_or_else(|| format!("bad slot {s:?}"))?;
                     match who.strip_prefix('~') {
@@ -283,8 +296,16 @@ mod tests {
         assert_eq!(Assignment::decode(&a.encode()).unwrap(), a);
         assert!(Assignment::decode(&BTreeMap::new()).unwrap_err().contains("generation"));
         let mut bad = a.encode();
-        bad.insert("slots".into(), "0".into());
+        bad.insert("slots".into(), vec!["x"; 1024].join(","));
         assert!(Assignment::decode(&bad).unwrap_err().contains("bad slot"));
+        // The format before epochs: bare member indexes, read as epoch 0.
+        let legacy = BTreeMap::from([
+            ("generation".to_string(), "4".to_string()),
+            ("members".to_string(), "pod-0".to_string()),
+            ("slots".to_string(), vec!["0"; 1024].join(",")),
+        ]);
+        let legacy = Assignment::decode(&legacy).unwrap();
+        assert_eq!(legacy.slots[0], Slot::Owned { member: "pod-0".into(), epoch: 0 });
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub struct LeaseState {
     pub duration: Duration,
     /// The assignment generation the holder has applied and drained.
     pub acked_generation: Option<u64>,
+    /// The newest assignment generation the holder has seen.
+    pub seen_generation: Option<u64>,
     /// The Lease object's uid: a holder change on the same object is a takeover or a
     /// release; on a new object (deleted and created again) it says nothing.
     pub uid: Option<String>,
@@ -168,10 +170,11 @@ impl MemberTable {
         (seen.state.holder() == Some(incarnation)).then_some(seen.state.acked_generation).flatten()
     }
 
-    /// The highest generation any member acknowledged: a floor for a new assignment's
-    /// generation, which must never go back (it is every bucket's fencing epoch).
-    pub fn highest_acked(&self) -> u64 {
-        self.members.values().filter_map(|seen| seen.state.acked_generation).max().unwrap_or(0)
+    /// The highest generation any member has seen or acknowledged: a floor for a new
+    /// assignment's generation, which must never go back (it is every bucket's fencing epoch).
+    pub fn highest_generation(&self) -> u64 {
+        let generations = self.members.values().flat_map(|m| [m.state.acked_generation, m.state.seen_generation]);
+        generations.flatten().max().unwrap_or(0)
     }
 
     /// The renewal `incarnation` was last seen making and when it was first seen, if it
@@ -224,6 +227,7 @@ mod tests {
             renew_marker: Some(renew.into()),
             duration: S(15),
             acked_generation: None,
+            seen_generation: None,
             uid: Some("uid-1".into()),
         }
     }
@@ -302,7 +306,9 @@ mod tests {
         table.observe("a", LeaseState { acked_generation: Some(7), ..lease("a_1", "r1") }, t0 + S(14));
         assert_eq!(table.acked_generation("a_1"), Some(7));
         assert_eq!(table.acked_generation("a_0"), None, "not another incarnation's");
-        assert_eq!(table.highest_acked(), 7);
+        assert_eq!(table.highest_generation(), 7);
+        table.observe("b", LeaseState { seen_generation: Some(9), ..lease("b_1", "r1") }, t0);
+        assert_eq!(table.highest_generation(), 9, "seen counts too: a live owner may hold epoch 9");
         assert_eq!(table.liveness("a_1", t0 + S(15)), Liveness::Expired);
     }
 

@@ -48,6 +48,8 @@ pub struct Slice {
     undrained: BTreeSet<Bucket>,
     /// Per bucket, until when an abandoned write may still land.
     landing: BTreeMap<Bucket, Instant>,
+    /// Shutting down: nothing is taken (back) from an assignment any more.
+    leaving: bool,
 }
 
 impl Slice {
@@ -62,12 +64,13 @@ impl Slice {
             in_flight: BTreeMap::new(),
             undrained: BTreeSet::new(),
             landing: BTreeMap::new(),
+            leaving: false,
         }
     }
 
     /// Takes our buckets from `assignment`, unless we know a newer one.
     pub fn apply(&mut self, assignment: &Assignment) -> Change {
-        if assignment.generation < self.generation {
+        if assignment.generation < self.generation || self.leaving {
             return Change::default();
         }
         self.generation = assignment.generation;
@@ -80,6 +83,9 @@ impl Slice {
     pub fn confirm(&mut self, started: Instant, fresh: &Assignment) -> Change {
         let change = self.apply(fresh);
         self.renewed(started);
+        if self.leaving {
+            return change;
+        }
         let until = started + self.renew_deadline;
         if self.valid_until.is_none_or(|t| t < until) {
             self.valid_until = Some(until);
@@ -95,8 +101,9 @@ impl Slice {
         }
     }
 
-    /// Gives every bucket up (shutdown).
+    /// Gives every bucket up for good (shutdown): later assignments give nothing back.
     pub fn release_all(&mut self) -> Change {
+        self.leaving = true;
         self.replace(BTreeMap::new())
     }
 
@@ -114,7 +121,7 @@ impl Slice {
         self.lease_until.is_some_and(|t| now < t)
     }
 
-    fn may_write(&self, now: Instant) -> bool {
+    pub fn may_write(&self, now: Instant) -> bool {
         self.valid_until.is_some_and(|t| now < t)
     }
 
@@ -254,6 +261,21 @@ mod tests {
         slice.apply(&assignment(3, &[(1, 3)]));
         assert_eq!(slice.acknowledgeable(t0), Some(3));
         assert_eq!(slice.permit(1, t0), Some(3), "with its new epoch");
+    }
+
+    #[test]
+    fn after_release_all_nothing_is_taken_back() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", S(10));
+        slice.confirm(t0, &assignment(1, &[(1, 1)]));
+        slice.begin(1, t0);
+        slice.abandoned(1, t0 + S(5));
+        slice.end(1);
+        slice.release_all();
+        assert!(slice.confirm(t0 + S(1), &assignment(1, &[(1, 1)])).is_empty(), "a renewal cycle during shutdown");
+        assert_eq!(slice.permit(1, t0 + S(1)), None);
+        assert!(!slice.drain(t0 + S(1)), "the abandoned write still counts");
+        assert!(slice.drain(t0 + S(5)));
     }
 
     #[test]

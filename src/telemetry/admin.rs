@@ -32,7 +32,17 @@ impl Health {
     }
 
     pub fn ready(&self, gate: &'static str) {
-        self.waiting.lock().unwrap_or_else(|p| p.into_inner()).remove(gate);
+        self.set(gate, true);
+    }
+
+    /// Opens or closes `gate`: for a condition that can stop holding (a lapsed lease).
+    pub fn set(&self, gate: &'static str, ready: bool) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        if ready {
+            waiting.remove(gate);
+        } else {
+            waiting.insert(gate);
+        }
     }
 
     pub fn set_shutting_down(&self) {

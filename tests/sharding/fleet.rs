@@ -210,9 +210,17 @@ impl Fleet {
         let regressions = self.forward.regressions();
         assert!(verdict.overlapping.is_empty(), "overlapping writes seen by the server: {:?}", verdict.overlapping);
         assert!(regressions.is_empty(), "children went back to an older spec: {regressions:?}");
+        // The next scenario's fleet has its own assignment, with its own generations: it must
+        // not find this one's children, stamped with epochs of another count.
         let namespaces = Api::<Namespace>::all(self.client());
         for ns in &self.namespaces {
             let _ = namespaces.delete(ns, &DeleteParams::default()).await;
+        }
+        for ns in &self.namespaces {
+            eventually(&format!("namespace {ns} is gone"), || async {
+                namespaces.get_opt(ns).await.ok()?.is_none().then_some(())
+            })
+            .await;
         }
         verdict
     }
