@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use controlplane::ControlPlane;
-use controlplane::proxy::HoldingProxy;
+use controlplane::proxy::DelayingProxy;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::ResourceExt;
@@ -147,8 +147,8 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let mut fleet = Fleet::new("fence", 12).await;
     fleet.start("r-1").await;
     fleet.start("r-2").await;
-    // r-0 reaches the API server through a proxy that can hold its requests.
-    let proxy = HoldingProxy::start(fleet.env.cp.server_url().rsplit(':').next().unwrap().parse().unwrap()).unwrap();
+    // r-0 reaches the API server through a proxy that can delay its requests.
+    let proxy = DelayingProxy::start(fleet.env.cp.server_url().rsplit(':').next().unwrap().parse().unwrap()).unwrap();
     let mut slow = fleet.spawn("r-0", Some(proxy.port())).await;
     slow.wait_ready().await;
     fleet.replicas.insert("r-0".into(), slow);
@@ -165,8 +165,10 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let child = format!("{namespace}/app-0");
     let client = fleet.client();
 
-    // r-0's write of the next spec is held on its way, past r-0's lease and a handoff.
-    proxy.hold();
+    // r-0's write of the next spec is delayed on its way, past r-0's lease and a handoff
+    // (its renewals are delayed too, so its slice is revoked and given to another replica).
+    let fenced_before = fleet.verdict().fenced;
+    proxy.set_delay(std::time::Duration::from_secs(12));
     let stale = set_rate(&client, &namespace, "app-0").await.unwrap();
     let newer = eventually("a new owner applied the spec r-0's write carries, then a newer one", || async {
         let cm = fleet.env_api_configmap(&namespace, "app-0").await?;
@@ -176,9 +178,8 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     .await;
     until("the new owner applied the newer spec", || fleet.forward.last(&child) == Some(newer)).await;
 
-    // Let the held write go: the API server must refuse it, and keep the newer state.
-    let fenced_before = fleet.verdict().fenced;
-    proxy.release();
+    // When the late write arrives, the API server must refuse it, and keep the newer state.
+    proxy.set_delay(std::time::Duration::ZERO);
     eventually("the late write reached the API server and was fenced", || async {
         (fleet.verdict().fenced > fenced_before).then_some(())
     })
@@ -186,15 +187,18 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let cm = fleet.env_api_configmap(&namespace, "app-0").await.unwrap();
     assert_eq!(rate_of(&cm), Some(newer), "the late write must not have replaced the newer state");
     fleet.converged("the late write").await;
+    let slow_users = fleet.users["r-0"].clone();
     let verdict = fleet.finish().await;
     println!(
-        "sharding summary: late write held past a handoff: {} writes seen by the server, {} overlapping, \
+        "sharding summary: late write delayed past a handoff: {} writes seen by the server, {} overlapping, \
          {} fenced late writes",
         verdict.writes,
         verdict.overlapping.len(),
         verdict.fenced
     );
     assert!(verdict.fenced >= 1);
+    let slow: std::collections::BTreeSet<String> = slow_users.into_iter().collect();
+    assert!(verdict.fenced_by.is_subset(&slow), "only the held process is fenced: {:?}", verdict.fenced_by);
     drop(proxy);
 }
 

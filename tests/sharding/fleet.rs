@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use controlplane::Grant;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
@@ -52,6 +52,7 @@ impl Fleet {
     /// A fleet for `scenario`, with `namespaces` × [`PER_NAMESPACE`] policies of its own.
     pub async fn new(scenario: &str, namespaces: usize) -> Self {
         let env = TestEnv::new(&format!("op-{scenario}")).await;
+        remove_leftovers(&env.client).await;
         let audit_dir = env.cp.dir().join(format!("audit-{scenario}"));
         std::fs::create_dir_all(&audit_dir).unwrap();
         let (forward, watcher) = ForwardOnly::watch(env.client.clone());
@@ -234,9 +235,27 @@ pub async fn set_rate(client: &Client, namespace: &str, name: &str) -> Option<u6
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.ok().map(|_| value)
 }
 
+/// The label on every namespace a scenario creates.
+const SCENARIO_NAMESPACE: &str = "sharding-scenario";
+
+/// Deletes what an earlier scenario that failed left behind: its children carry epochs of
+/// another fleet's count, which this fleet's writes must not meet.
+async fn remove_leftovers(client: &Client) {
+    let namespaces = Api::<Namespace>::all(client.clone());
+    let params = ListParams::default().labels(SCENARIO_NAMESPACE);
+    for ns in namespaces.list(&params).await.unwrap().items {
+        let _ = namespaces.delete(&ns.name_any(), &DeleteParams::default()).await;
+    }
+    eventually("namespaces left by earlier scenarios are gone", || async {
+        namespaces.list(&params).await.ok()?.items.is_empty().then_some(())
+    })
+    .await;
+}
+
 pub async fn create_policies(client: &Client, namespace: &str, scenario: &str, count: usize) {
-    let ns =
-        Namespace { metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() }, ..Default::default() };
+    let labels = Some([(SCENARIO_NAMESPACE.to_string(), scenario.to_string())].into());
+    let meta = ObjectMeta { name: Some(namespace.into()), labels, ..Default::default() };
+    let ns = Namespace { metadata: meta, ..Default::default() };
     Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
     let policies = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
     for i in 0..count {

@@ -80,6 +80,8 @@ pub struct Verdict {
     pub overlapping: Vec<String>,
     /// Late writes the fencing policy refused.
     pub fenced: usize,
+    /// The processes (users) whose writes were fenced.
+    pub fenced_by: BTreeSet<String>,
 }
 
 pub fn judge(writes: &[Write]) -> Verdict {
@@ -89,6 +91,7 @@ pub fn judge(writes: &[Write]) -> Verdict {
     for w in writes {
         if w.fenced {
             verdict.fenced += 1;
+            verdict.fenced_by.insert(w.user.clone());
             continue;
         }
         if !(200..300).contains(&w.code) {
