@@ -2,10 +2,18 @@
 # The demo: a local control plane, the operator, the sample policies, and their status.
 #
 #   loadtest/demo.sh            # Ctrl-C stops everything
+#   loadtest/demo.sh --no-wait  # show the result, then stop everything (CI runs this)
 #
 # Needs Rust, Go (once, to build the control plane) and kubectl.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+wait_at_end=true
+case "${1:-}" in
+  --no-wait) wait_at_end=false ;;
+  "") ;;
+  *) echo "usage: loadtest/demo.sh [--no-wait]" >&2; exit 2 ;;
+esac
 
 state=.controlplane
 mkdir -p "$state"
@@ -21,7 +29,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 echo "[demo] building the operator and the control-plane runner..."
-cargo build -q --bins
+cargo build -q --workspace --bins
 
 echo "[demo] starting the control plane (the first run also builds it from Go modules: minutes)..."
 rm -f "$KUBECONFIG" "$state/controlplane.out"
@@ -34,6 +42,7 @@ done
 head -1 "$state/controlplane.out"
 
 kubectl apply -f crds/ >/dev/null
+kubectl apply -f deploy/fencing/fencing.yaml >/dev/null
 kubectl wait --for condition=established --timeout=60s crd/applicationtrafficpolicies.trafficpolicy.dev >/dev/null
 
 operator_ns=traffic-policy-operator
@@ -55,6 +64,9 @@ kubectl get atp -A
 echo
 target/debug/traffic-policy-operator shards --namespace "$operator_ns"
 echo
+if ! $wait_at_end; then
+  exit 0
+fi
 echo "Try it from another shell:"
 echo "  export KUBECONFIG=$KUBECONFIG"
 echo "  kubectl get atp -A; kubectl get networkpolicies,configmaps -n shop"
