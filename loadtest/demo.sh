@@ -30,10 +30,11 @@ trap cleanup EXIT INT TERM
 
 echo "[demo] building the operator and the control-plane runner..."
 cargo build -q --workspace --bins
+bin="${CARGO_TARGET_DIR:-target}/debug"
 
 echo "[demo] starting the control plane (the first run also builds it from Go modules: minutes)..."
 rm -f "$KUBECONFIG" "$state/controlplane.out"
-target/debug/controlplane --kubeconfig "$KUBECONFIG" >"$state/controlplane.out" &
+"$bin/controlplane" --kubeconfig "$KUBECONFIG" >"$state/controlplane.out" &
 pids+=($!)
 until grep -q "control plane ready" "$state/controlplane.out" 2>/dev/null; do
   kill -0 "${pids[0]}" 2>/dev/null || { cat "$state/controlplane.out"; exit 1; }
@@ -49,7 +50,7 @@ operator_ns=traffic-policy-operator
 kubectl create namespace "$operator_ns" >/dev/null
 echo "[demo] starting 3 operator replicas (logs: $state/operator-N.log)..."
 for i in 0 1 2; do
-  target/debug/traffic-policy-operator --pod-name "traffic-policy-operator-$i" --namespace "$operator_ns" \
+  "$bin/traffic-policy-operator" --pod-name "traffic-policy-operator-$i" --namespace "$operator_ns" \
     --admin-addr 127.0.0.1:0 --log-format text >"$state/operator-$i.log" 2>&1 &
   pids+=($!)
 done
@@ -62,7 +63,7 @@ done
 kubectl wait --for condition=Ready --timeout=60s atp --all -A >/dev/null
 kubectl get atp -A
 echo
-target/debug/traffic-policy-operator shards --namespace "$operator_ns"
+"$bin/traffic-policy-operator" shards --namespace "$operator_ns"
 echo
 if ! $wait_at_end; then
   exit 0
@@ -70,6 +71,6 @@ fi
 echo "Try it from another shell:"
 echo "  export KUBECONFIG=$KUBECONFIG"
 echo "  kubectl get atp -A; kubectl get networkpolicies,configmaps -n shop"
-echo "  target/debug/traffic-policy-operator shards --namespace $operator_ns"
+echo "  $bin/traffic-policy-operator shards --namespace $operator_ns"
 echo "Press Ctrl-C to stop everything."
 wait "${pids[0]}"

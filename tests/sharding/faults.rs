@@ -82,12 +82,22 @@ async fn a_second_process_with_the_same_pod_name_waits_for_the_first() {
 async fn a_deleted_member_lease_is_not_taken_for_a_dead_member() {
     let _turn = SERIAL.lock().await;
     let mut fleet = Fleet::new("lease", 30).await;
+    // A member Lease left behind by a pod that is gone: it never renews, so it is never given
+    // buckets, and it holds nothing up.
+    let leases = fleet.env.api::<Lease>();
+    let ghost: Lease = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "traffic-policy-operator-member-ghost" },
+        "spec": { "holderIdentity": "ghost_0", "leaseDurationSeconds": 4,
+                  "renewTime": "2026-01-01T00:00:00.000000Z" }
+    }))
+    .unwrap();
+    leases.create(&PostParams::default(), &ghost).await.unwrap();
+    let (assignments, named) = assignment_members(fleet.client(), &fleet.env.namespace);
     for name in ["r-0", "r-1", "r-2"] {
         fleet.start(name).await;
     }
     fleet.converged("the initial creation").await;
     let (stop_churn, churner) = fleet.churn();
-    let leases = fleet.env.api::<Lease>();
     let name = "traffic-policy-operator-member-r-1";
     leases.delete(name, &DeleteParams::default()).await.unwrap();
     // r-1 keeps working and writes its Lease again; its slice moves only through revocation.
@@ -102,9 +112,12 @@ async fn a_deleted_member_lease_is_not_taken_for_a_dead_member() {
     churner.await.unwrap();
     fleet.converged("the last change").await;
     let reconciles = crate::assert_no_overlapping_reconciles(&fleet, &[]);
+    assignments.abort();
+    let named = named.lock().unwrap().clone();
+    assert!(!named.is_empty() && !named.contains("ghost_0"), "the ghost was given buckets: {named:?}");
     let verdict = fleet.finish().await;
     println!(
-        "sharding summary: deleted member lease: {reconciles} reconciles, {} writes seen by the server, \
+        "sharding summary: deleted member lease (and a ghost Lease, never given buckets): {reconciles} reconciles, {} writes seen by the server, \
          {} overlapping, {} fenced",
         verdict.writes,
         verdict.overlapping.len(),
@@ -245,6 +258,27 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     .await;
     let verdict = fleet.finish().await;
     println!("delete and recreate in a watch gap: reconciled; {} writes seen by the server", verdict.writes);
+}
+
+/// Every member any published assignment named, as seen by a watch of the assignment.
+fn assignment_members(
+    client: kube::Client,
+    namespace: &str,
+) -> (tokio::task::JoinHandle<()>, std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let named = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+    let config = watcher::Config::default().fields("metadata.name=traffic-policy-operator-assignment");
+    let events = watcher(Api::<ConfigMap>::namespaced(client, namespace), config).default_backoff().applied_objects();
+    let seen = named.clone();
+    let task = tokio::spawn(async move {
+        let mut events = std::pin::pin!(events);
+        while let Some(Ok(cm)) = events.next().await {
+            let members = cm.data.and_then(|d| d.get("members").cloned()).unwrap_or_default();
+            seen.lock().unwrap().extend(members.split(',').filter(|m| !m.is_empty()).map(str::to_string));
+        }
+    });
+    (task, named)
 }
 
 async fn until_gone(api: &Api<ApplicationTrafficPolicy>, name: &str) {
