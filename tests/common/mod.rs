@@ -195,10 +195,13 @@ impl Operator {
             format!("--pod-name={name}"),
             "--log-format=json".into(),
             "--log-level=info".into(),
-            format!("--lease-duration={}s", timings.0.as_secs()),
-            format!("--renew-deadline={}s", timings.1.as_secs()),
-            format!("--retry-period={}ms", timings.2.as_millis()),
         ];
+        // The caller's own lease timings win over the suite's.
+        if !args.iter().any(|a| a.starts_with("--lease-duration")) {
+            all.push(format!("--lease-duration={}s", timings.0.as_secs()));
+            all.push(format!("--renew-deadline={}s", timings.1.as_secs()));
+            all.push(format!("--retry-period={}ms", timings.2.as_millis()));
+        }
         all.extend(args.iter().cloned());
         let binary = Path::new(env!("CARGO_BIN_EXE_traffic-policy-operator"));
         let process = Process::start("traffic-policy-operator", binary, &all, &log).unwrap();

@@ -224,6 +224,9 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
 async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconciled() {
     let _turn = SERIAL.lock().await;
     let mut fleet = Fleet::new("regap", 1).await;
+    // Leases long enough to outlast the freeze and the restart: the replica must not lapse,
+    // whose recovery would relist anyway; only its watch has a gap.
+    fleet.lease_args = ["--lease-duration=20s", "--renew-deadline=15s", "--retry-period=2s"].map(String::from).into();
     fleet.start("r-0").await;
     fleet.converged("the initial creation").await;
     let namespace = fleet.namespaces[0].clone();
@@ -240,6 +243,10 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     again.metadata.namespace = Some(namespace.clone());
     let created = policies.create(&PostParams::default(), &again).await.unwrap();
     assert_ne!(created.uid(), Some(old_uid.clone()));
+    // History up to the new policy is compacted away, so the watch cannot resume with the
+    // deletion and the creation: it relists, and sees a known name at a known generation.
+    let revision: u64 = created.resource_version().unwrap().parse().unwrap();
+    tokio::task::spawn_blocking(move || ControlPlane::shared().compact_etcd(revision).unwrap()).await.unwrap();
     restart_apiserver().await;
     drop(thaw);
 

@@ -43,6 +43,8 @@ pub struct Fleet {
     pub users: BTreeMap<String, Vec<String>>,
     pub namespaces: Vec<String>,
     pub forward: ForwardOnly,
+    /// Lease flags for the processes started from now on, instead of the suite's.
+    pub lease_args: Vec<String>,
     watcher: tokio::task::JoinHandle<()>,
     launches: usize,
     scenario: String,
@@ -63,6 +65,7 @@ impl Fleet {
             users: BTreeMap::new(),
             namespaces: Vec::new(),
             forward,
+            lease_args: Vec::new(),
             watcher,
             launches: 0,
             scenario: scenario.into(),
@@ -106,11 +109,12 @@ impl Fleet {
             kubeconfig = kubeconfig.with_extension("proxied.kubeconfig");
             std::fs::write(&kubeconfig, text).unwrap();
         }
-        let args = vec![
+        let mut args = vec![
             format!("--namespace={}", self.env.namespace),
             format!("--audit-log={}", self.audit_dir.join(format!("{account}.jsonl")).display()),
             "--workers=4".to_string(),
         ];
+        args.extend(self.lease_args.iter().cloned());
         Operator::spawn(self.env.cp, &kubeconfig, name, &args)
     }
 

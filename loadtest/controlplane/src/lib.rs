@@ -176,6 +176,17 @@ impl ControlPlane {
         })
     }
 
+    /// Compacts etcd's history up to `revision` (a resourceVersion): a watch that resumes
+    /// from before it gets `410 Gone` and must relist, as after a long disconnection.
+    pub fn compact_etcd(&self, revision: u64) -> Result<()> {
+        let body = format!("{{\"revision\": \"{revision}\", \"physical\": true}}");
+        let response = http_post_plain(self.ports.etcd_client, "/v3/kv/compaction", &body)?;
+        if !response.starts_with("HTTP/1.0 200") && !response.starts_with("HTTP/1.1 200") {
+            bail!("etcd compaction to {revision} failed: {}", response.lines().last().unwrap_or_default());
+        }
+        Ok(())
+    }
+
     /// The directory holding certificates, data and logs.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -438,6 +449,21 @@ pub fn http_get_plain(port: u16, path: &str) -> Result<String> {
     let mut stream = std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response)
+}
+
+/// A plain HTTP/1.0 POST of a JSON body to 127.0.0.1:`port`; the whole response.
+pub fn http_post_plain(port: u16, path: &str, json: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let request = format!(
+        "POST {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{json}",
+        json.len()
+    );
+    stream.write_all(request.as_bytes())?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     Ok(response)
