@@ -233,21 +233,27 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     let policies = Api::<ApplicationTrafficPolicy>::namespaced(fleet.client(), &namespace);
     let old_uid = policies.get("app-0").await.unwrap().uid().unwrap();
 
-    // While the replica is frozen, the policy is deleted and created again with the same
-    // spec (generation 1 again); the API server restarts, so its watch resumes with a relist.
+    // The replica is frozen and the API server restarts, which breaks its watches before
+    // anything happens that they could carry. Then the policy is deleted and created again with
+    // the same spec (generation 1 again), and etcd's history is compacted past it, so the
+    // watch cannot resume: it relists, and finds a known name at a known generation. The
+    // children are orphaned rather than collected, so no event of theirs points the replica at
+    // the policy: only the policy's own watch can tell it something changed.
     fleet.replicas["r-0"].process.signal(libc::SIGSTOP);
     let thaw = scopeguard(&fleet.replicas["r-0"].process);
-    policies.delete("app-0", &DeleteParams::default()).await.unwrap();
+    restart_apiserver().await;
+    let orphan = DeleteParams { propagation_policy: Some(kube::api::PropagationPolicy::Orphan), ..Default::default() };
+    eventually("the policy is deleted after the restart", || async {
+        policies.delete("app-0", &orphan).await.ok().map(|_| ())
+    })
+    .await;
     until_gone(&policies, "app-0").await;
     let mut again = policy("app-0", "regap");
     again.metadata.namespace = Some(namespace.clone());
     let created = policies.create(&PostParams::default(), &again).await.unwrap();
     assert_ne!(created.uid(), Some(old_uid.clone()));
-    // History up to the new policy is compacted away, so the watch cannot resume with the
-    // deletion and the creation: it relists, and sees a known name at a known generation.
     let revision: u64 = created.resource_version().unwrap().parse().unwrap();
     tokio::task::spawn_blocking(move || ControlPlane::shared().compact_etcd(revision).unwrap()).await.unwrap();
-    restart_apiserver().await;
     drop(thaw);
 
     let ready = eventually("the new policy is Ready for its generation", || async {
