@@ -100,6 +100,10 @@ pub struct RunArgs {
     /// Test mode: append a JSON line per reconcile start, API write and reconcile end here.
     #[arg(long, env = "TPO_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
+
+    /// Test mode: make the reconcile of this `namespace/name` panic (fault injection).
+    #[arg(long, env = "TPO_TEST_PANIC_ON", hide = true)]
+    pub test_panic_on: Option<String>,
 }
 
 impl RunArgs {

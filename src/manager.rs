@@ -120,7 +120,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let child_versions = Arc::new(ChildVersions::default());
     let reporter = Reporter { controller: "traffic-policy-operator".into(), instance: Some(shard.identity.clone()) };
     let recorder = Recorder::new(client.clone(), reporter);
-    let reconciler = TrafficPolicyReconciler::new(client.clone(), recorder, child_versions.clone());
+    let mut reconciler = TrafficPolicyReconciler::new(client.clone(), recorder, child_versions.clone());
+    reconciler.panic_on = args.test_panic_on.clone();
     let reconciler = Arc::new(Sharded::new(reconciler, ownership.clone(), audit.clone()));
     let settings = Settings {
         name: CONTROLLER_NAME,

@@ -58,11 +58,14 @@ pub struct TrafficPolicyReconciler {
     client: Client,
     recorder: Recorder,
     child_versions: Arc<ChildVersions>,
+    /// Test mode (`--test-panic-on`): the `namespace/name` whose reconcile panics, so the
+    /// tests can show that a panic is caught and retried on a real cluster.
+    pub panic_on: Option<String>,
 }
 
 impl TrafficPolicyReconciler {
     pub fn new(client: Client, recorder: Recorder, child_versions: Arc<ChildVersions>) -> Self {
-        Self { client, recorder, child_versions }
+        Self { client, recorder, child_versions, panic_on: None }
     }
 
     /// Applies both children; returns what each apply did.
@@ -177,6 +180,9 @@ fn is_fenced(status: &kube::core::Status) -> bool {
 impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
     async fn reconcile(&self, policy: Arc<ApplicationTrafficPolicy>, gate: &dyn WriteGate) -> Result<Action> {
         let key = ObjectKey::of(policy.as_ref());
+        if self.panic_on.as_deref() == Some(key.to_string().as_str()) {
+            panic!("test fault: --test-panic-on {key}");
+        }
         let generation = policy.meta().generation.unwrap_or_default();
         let write = self.child_versions.begin_write(&key);
         let applied = self.apply_children(&policy, &key, gate).await;

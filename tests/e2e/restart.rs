@@ -119,3 +119,24 @@ async fn a_missing_permission_is_retried_with_backoff_until_granted() {
     env.wait_ready("blocked", ConditionStatus::True).await;
     assert!(env.api::<ConfigMap>().get_opt("blocked").await.unwrap().is_some());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_reconcile_is_caught_retried_and_wedges_nothing() {
+    let env = TestEnv::new("e2e-panic").await;
+    let target = format!("--test-panic-on={}/boom", env.namespace);
+    let operator = env.start_operator(&[target.as_str()]).await;
+    let policies = env.api::<ApplicationTrafficPolicy>();
+    policies.create(&PostParams::default(), &policy("boom", 81)).await.unwrap();
+    policies.create(&PostParams::default(), &policy("fine", 82)).await.unwrap();
+    env.wait_ready("fine", ConditionStatus::True).await;
+    // The panicking key is retried with backoff, so the count keeps growing; the process lives.
+    eventually("the panicking reconcile is retried", || async {
+        (operator.metric("controller_runtime_reconcile_panics_total", None) >= 3.0).then_some(())
+    })
+    .await;
+    assert!(operator.get("/livez").unwrap().contains(" 200 "), "the process stays live");
+    assert!(operator.metric("controller_runtime_reconcile_errors_total", Some("kind=\"panic\"")) >= 3.0);
+    // Other work is not held up: a later policy is served.
+    policies.create(&PostParams::default(), &policy("after", 83)).await.unwrap();
+    env.wait_ready("after", ConditionStatus::True).await;
+}
