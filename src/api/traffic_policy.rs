@@ -219,6 +219,11 @@ fn match_labels_schema(_: &mut SchemaGenerator) -> Schema {
         "description": "Labels the application's pods carry (1 to 16 entries); values are Kubernetes label values.",
         "minProperties": 1,
         "maxProperties": 16,
+        // Keys are label keys: rejected at admission, naming the field, not found later.
+        "x-kubernetes-validations": [{
+            "rule": "self.all(k, !format.qualifiedName().validate(k).hasValue())",
+            "messageExpression": "'label key ' + self.filter(k, format.qualifiedName().validate(k).hasValue())[0] + ' is not a valid label key: an optional DNS subdomain and /, then at most 63 characters: letters, digits, -, _ and ., starting and ending with a letter or digit'"
+        }],
         "additionalProperties": {
             "type": "string",
             "maxLength": 63,

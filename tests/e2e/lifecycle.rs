@@ -139,13 +139,14 @@ async fn a_spec_the_server_refuses_is_reported_and_not_retried() {
     let env = TestEnv::new("e2e-invalid").await;
     let operator = env.start_operator(&[]).await;
     let mut bad = policy("bad-key", 80);
-    // The CRD cannot validate label keys cheaply; the NetworkPolicy validation refuses it.
-    bad.spec.application_selector.match_labels = [("not a valid key!", "x")].into_iter().collect();
+    // A CIDR with host bits set passes the CRD's isCIDR rule; NetworkPolicy validation refuses it.
+    bad.spec.ingress_rules[0].from[0].ip_block.cidr = Cidr("10.0.0.1/8".into());
+    bad.spec.ingress_rules[0].from[0].ip_block.except.clear();
     env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &bad).await.unwrap();
     let reported = env.wait_ready("bad-key", ConditionStatus::False).await;
     let ready = &reported.status.unwrap().conditions[0];
     assert_eq!(ready.reason, "InvalidSpec");
-    assert!(ready.message.contains("podSelector"), "{}", ready.message);
+    assert!(ready.message.contains("ipBlock.cidr"), "{}", ready.message);
     eventually("the error is counted", || async {
         (operator.metric("controller_runtime_reconcile_errors_total", Some("kind=\"invalid_spec\"")) >= 1.0)
             .then_some(())

@@ -100,6 +100,11 @@ fn cases() -> Vec<(&'static str, Breaker, &'static str)> {
             "spec.applicationSelector.matchLabels.app in body should match",
         ),
         (
+            "label key that is not a label key",
+            Box::new(|s| s["applicationSelector"]["matchLabels"]["bad key!"] = json!("x")),
+            "spec.applicationSelector.matchLabels: Invalid value: label key bad key! is not a valid label key",
+        ),
+        (
             "negative burst",
             Box::new(|s| s["rateLimit"]["burst"] = json!(-1)),
             "spec.rateLimit.burst: Invalid value: -1: spec.rateLimit.burst in body should be greater than or equal to 0",
