@@ -174,12 +174,12 @@ impl Leader {
         if resource_version.is_none() {
             // Publishing anew (first start, or the ConfigMap was deleted): generations are
             // fencing epochs and must never go back.
-            let floor = current.generation.max(self.members.with(|t| t.highest_generation()));
-            if current.generation == 0 && floor > 0 {
-                // An assignment existed that we never saw: its owners may still be writing.
+            let floor = self.members.with(|t| t.highest_generation());
+            if current.generation < floor {
+                // A member saw a newer assignment than we did (or we never saw one): what it
+                // gave to whom is lost, and its owners may still be writing. Revoke everything.
                 current = Assignment::after_loss(floor + 1);
             }
-            current.generation = current.generation.max(floor);
         }
         self.track_revocations(&current, now);
         self.confirm_silent(&current, now).await;
