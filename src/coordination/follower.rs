@@ -50,10 +50,6 @@ impl AssignmentView {
         self.current.borrow().clone()
     }
 
-    pub fn generation(&self) -> u64 {
-        self.current.borrow().as_ref().map_or(0, |p| p.assignment.generation)
-    }
-
     /// Keeps the newer of what we have and `assignment`.
     pub fn offer(&self, assignment: Assignment, resource_version: Option<String>) {
         self.current.send_if_modified(|current| {

@@ -74,11 +74,6 @@ impl Ownership {
         self.lock().may_write(Instant::now())
     }
 
-    /// When writing stops unless another renewal cycle completes.
-    pub fn valid_until(&self) -> Option<Instant> {
-        self.lock().valid_until()
-    }
-
     /// Registers a reconcile of `bucket`; `None` when the bucket is not ours to write.
     pub fn begin(self: &Arc<Self>, bucket: Bucket) -> Option<InFlight> {
         let epoch = self.lock().begin(bucket, Instant::now())?;

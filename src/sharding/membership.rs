@@ -208,11 +208,6 @@ impl MemberTable {
     pub fn renew_marker(&self, pod: &str) -> Option<String> {
         self.members.get(pod)?.state.renew_marker.clone()
     }
-
-    /// The incarnations holding a Lease, for status displays.
-    pub fn holders(&self) -> BTreeSet<String> {
-        self.members.values().filter_map(|seen| seen.state.holder()).map(str::to_string).collect()
-    }
 }
 
 #[cfg(test)]

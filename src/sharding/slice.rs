@@ -125,10 +125,6 @@ impl Slice {
         self.valid_until.is_some_and(|t| now < t)
     }
 
-    pub fn valid_until(&self) -> Option<Instant> {
-        self.valid_until
-    }
-
     /// The epoch to stamp on a write of `bucket`, while we may write it.
     pub fn permit(&self, bucket: Bucket, now: Instant) -> Option<Epoch> {
         if !self.may_write(now) {
@@ -183,10 +179,6 @@ impl Slice {
 
     pub fn generation(&self) -> u64 {
         self.generation
-    }
-
-    pub fn undrained(&self) -> usize {
-        self.undrained.len()
     }
 }
 
