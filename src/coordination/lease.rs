@@ -74,7 +74,9 @@ impl MemberLease {
         let mut ack = self.ack.subscribe();
         loop {
             self.cycle().await;
-            m::set_lease_held(self.ownership.lease_valid());
+            // "Held" means a renewal cycle confirmed our right to write: a replica whose renewals land
+            // but whose cycles never complete in time shows 0 here, and the lease alert fires.
+            m::set_lease_held(self.ownership.may_write());
             tokio::select! {
                 _ = tokio::time::sleep(self.config.retry_period) => {}
                 _ = ack.changed() => {}

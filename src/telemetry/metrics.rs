@@ -52,7 +52,10 @@ fn describe() {
     describe_gauge!("controller_runtime_max_concurrent_reconciles", "Configured worker count.");
     describe_gauge!("traffic_policy_cached_objects", "Objects held in the operator's cache, by resource.");
     describe_gauge!("traffic_policy_cache_synced", "1 when the watch of a resource has completed its initial list.");
-    describe_gauge!("traffic_policy_lease_held", "1 while this replica's own lease is valid by its renew deadline.");
+    describe_gauge!(
+        "traffic_policy_lease_held",
+        "1 while a renewal cycle has confirmed this replica's right to write."
+    );
     describe_gauge!("leader_election_master_status", "1 while this replica is the leader.");
     describe_gauge!("traffic_policy_members_alive", "Replicas this replica sees alive, from observed lease renewals.");
     describe_gauge!("traffic_policy_buckets_owned", "Namespace buckets this replica owns.");
