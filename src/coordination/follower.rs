@@ -50,6 +50,11 @@ impl AssignmentView {
         self.current.borrow().clone()
     }
 
+    /// The newest assignment if its generation is above `generation` (cloned only then).
+    pub fn newer_than(&self, generation: u64) -> Option<Published> {
+        self.current.borrow().as_ref().filter(|p| p.assignment.generation > generation).cloned()
+    }
+
     /// Keeps the newer of what we have and `assignment`.
     pub fn offer(&self, assignment: Assignment, resource_version: Option<String>) {
         self.current.send_if_modified(|current| {
@@ -167,7 +172,7 @@ impl Follower {
 
     /// Applies the newest assignment; true while lost buckets are still draining.
     fn step(&mut self) -> bool {
-        if let Some(published) = self.view.get().filter(|p| p.assignment.generation > self.applied) {
+        if let Some(published) = self.view.newer_than(self.applied) {
             self.applied = published.assignment.generation;
             let change = self.ownership.apply(&published.assignment);
             if !change.is_empty() {

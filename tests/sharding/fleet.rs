@@ -23,9 +23,6 @@ pub fn lease_duration() -> Duration {
     crate::common::lease_timings().0
 }
 
-pub fn renew_deadline() -> Duration {
-    crate::common::lease_timings().1
-}
 pub const PER_NAMESPACE: usize = 5;
 
 pub fn now_ns() -> u128 {
