@@ -104,6 +104,11 @@ pub struct RunArgs {
     /// Test mode: make the reconcile of this `namespace/name` panic (fault injection).
     #[arg(long, env = "TPO_TEST_PANIC_ON", hide = true)]
     pub test_panic_on: Option<String>,
+
+    /// Test mode: make the reconcile of this `namespace/name` hang before it writes, until
+    /// the reconcile timeout drops it (fault injection: a stuck reconcile).
+    #[arg(long, env = "TPO_TEST_STALL_ON", hide = true)]
+    pub test_stall_on: Option<String>,
 }
 
 impl RunArgs {

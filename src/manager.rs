@@ -122,6 +122,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let recorder = Recorder::new(client.clone(), reporter);
     let mut reconciler = TrafficPolicyReconciler::new(client.clone(), recorder, child_versions.clone());
     reconciler.panic_on = args.test_panic_on.clone();
+    reconciler.stall_on = args.test_stall_on.clone();
     let reconciler = Arc::new(Sharded::new(reconciler, ownership.clone(), audit.clone()));
     let settings = Settings {
         name: CONTROLLER_NAME,

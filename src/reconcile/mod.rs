@@ -61,11 +61,14 @@ pub struct TrafficPolicyReconciler {
     /// Test mode (`--test-panic-on`): the `namespace/name` whose reconcile panics, so the
     /// tests can show that a panic is caught and retried on a real cluster.
     pub panic_on: Option<String>,
+    /// Test mode (`--test-stall-on`): the `namespace/name` whose reconcile hangs before it
+    /// writes, so the tests can show that a stuck reconcile holds up no handoff.
+    pub stall_on: Option<String>,
 }
 
 impl TrafficPolicyReconciler {
     pub fn new(client: Client, recorder: Recorder, child_versions: Arc<ChildVersions>) -> Self {
-        Self { client, recorder, child_versions, panic_on: None }
+        Self { client, recorder, child_versions, panic_on: None, stall_on: None }
     }
 
     /// Applies both children; returns what each apply did.
@@ -182,6 +185,10 @@ impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
         let key = ObjectKey::of(policy.as_ref());
         if self.panic_on.as_deref() == Some(key.to_string().as_str()) {
             panic!("test fault: --test-panic-on {key}");
+        }
+        if self.stall_on.as_deref() == Some(key.to_string().as_str()) {
+            tracing::warn!("test fault: --test-stall-on {key}: hanging until the reconcile timeout");
+            std::future::pending::<()>().await;
         }
         let generation = policy.meta().generation.unwrap_or_default();
         let write = self.child_versions.begin_write(&key);

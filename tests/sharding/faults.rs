@@ -10,11 +10,12 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
-use traffic_policy_operator::sharding::bucket::bucket_of;
+use traffic_policy_operator::sharding::bucket::{self, bucket_of};
+use traffic_policy_operator::sharding::ring::Ring;
 
 use crate::audit;
 use crate::common::eventually;
-use crate::fleet::{Fleet, policy, set_rate, until};
+use crate::fleet::{self, Fleet, policy, set_rate, until};
 use crate::server::{self, rate_of};
 use crate::{SERIAL, writers};
 
@@ -226,7 +227,7 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     let mut fleet = Fleet::new("regap", 1).await;
     // Leases long enough to outlast the freeze and the restart: the replica must not lapse,
     // whose recovery would relist anyway; only its watch has a gap.
-    fleet.lease_args = ["--lease-duration=20s", "--renew-deadline=15s", "--retry-period=2s"].map(String::from).into();
+    fleet.lease_args = ["--lease-duration=60s", "--renew-deadline=45s", "--retry-period=2s"].map(String::from).into();
     fleet.start("r-0").await;
     fleet.converged("the initial creation").await;
     let namespace = fleet.namespaces[0].clone();
@@ -250,6 +251,10 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     until_gone(&policies, "app-0").await;
     let mut again = policy("app-0", "regap");
     again.metadata.namespace = Some(namespace.clone());
+    // Restored from a copy that kept its bucket label (as `kubectl get -o yaml` would): the
+    // label-selected watch sees it at once, with no unlabelled phase that would hide the gap.
+    let bucket = bucket::label_value(bucket_of(&namespace));
+    again.labels_mut().insert(bucket::BUCKET_LABEL.into(), bucket);
     let created = policies.create(&PostParams::default(), &again).await.unwrap();
     assert_ne!(created.uid(), Some(old_uid.clone()));
     let revision: u64 = created.resource_version().unwrap().parse().unwrap();
@@ -271,6 +276,100 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     .await;
     let verdict = fleet.finish().await;
     println!("delete and recreate in a watch gap: reconciled; {} writes seen by the server", verdict.writes);
+}
+
+/// Defect 6: a reconcile that never ends holds up neither the buckets its replica gains at the
+/// same time nor the bucket it blocks, which moves on after the revocation deadline without
+/// an acknowledgement; and the stuck replica never writes the policy it stalls on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_reconcile_holds_up_neither_the_buckets_gained_nor_the_one_it_blocks() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("stuck", 16).await;
+    // When r-1 leaves as r-2 joins, `stuck` moves from r-0 to r-2 while `gained` moves from
+    // r-1 to r-0: r-0 gains and loses in one step. The ring is deterministic, so pick them by it.
+    let (two, next) = (Ring::new(&["r-0", "r-1"]), Ring::new(&["r-0", "r-2"]));
+    let (two, next) = (two.assign_names(), next.assign_names());
+    let moving = |from: &str, to: &str| {
+        let ns = fleet.namespaces.iter().find(|ns| {
+            let bucket = usize::from(bucket_of(ns));
+            two[bucket] == Some(from) && next[bucket] == Some(to)
+        });
+        ns.unwrap_or_else(|| panic!("no namespace of the scenario moves from {from} to {to}")).clone()
+    };
+    let (stuck_ns, gained_ns) = (moving("r-0", "r-2"), moving("r-1", "r-0"));
+    let stuck = format!("{stuck_ns}/app-0");
+    let suite_args = fleet.lease_args.clone();
+    fleet.lease_args.extend([format!("--test-stall-on={stuck}"), "--reconcile-timeout=600s".into()]);
+    fleet.start("r-0").await;
+    fleet.lease_args = suite_args;
+    fleet.start("r-1").await;
+    let stuck_policies = Api::<ApplicationTrafficPolicy>::namespaced(fleet.client(), &stuck_ns);
+    let is_ready = |p: &ApplicationTrafficPolicy| {
+        p.status.as_ref().is_some_and(|s| {
+            s.observed_generation == p.metadata.generation
+                && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
+        })
+    };
+    // Everything converges but the stuck policy, which r-0 holds and never writes.
+    let gained_policies = Api::<ApplicationTrafficPolicy>::namespaced(fleet.client(), &gained_ns);
+    eventually("the policies of r-1's slice converge", || async {
+        gained_policies.list(&Default::default()).await.ok()?.items.iter().all(is_ready).then_some(())
+    })
+    .await;
+    assert!(!is_ready(&stuck_policies.get("app-0").await.unwrap()), "the stuck policy was reconciled");
+
+    // r-1 leaves and r-2 joins: r-0 must drop `stuck` (which it cannot drain) and take `gained`.
+    let mut r2 = fleet.spawn("r-2", None).await;
+    fleet.terminate("r-1");
+    r2.wait_ready().await;
+    fleet.replicas.insert("r-2".into(), r2);
+    let joined = std::time::Instant::now();
+    let edited = std::time::Instant::now();
+    let value = set_rate(&fleet.client(), &gained_ns, "app-1").await.unwrap();
+    let gained_edit = eventually("r-0 reconciles an edit in a namespace it gained", || async {
+        let p = gained_policies.get("app-1").await.ok()?;
+        let done = is_ready(&p) && p.spec.rate_limit.as_ref()?.requests_per_second as u64 == value;
+        done.then(|| edited.elapsed())
+    })
+    .await;
+    let r0_users: std::collections::BTreeSet<String> = fleet.users["r-0"].iter().cloned().collect();
+    let r0_wrote_gained = server::writes(&fleet.env.cp.audit_log_path(), &r0_users)
+        .iter()
+        .any(|w| w.object.starts_with(&format!("configmaps/{gained_ns}/app-1")) && w.code < 300);
+    assert!(r0_wrote_gained, "the edit in {gained_ns} was not written by r-0, which gained it");
+
+    // The stuck bucket moves to r-2 after the revocation deadline, without r-0's acknowledgement.
+    eventually("r-2 reconciles the policy r-0 is stuck on", || async {
+        is_ready(&stuck_policies.get("app-0").await.ok()?).then_some(())
+    })
+    .await;
+    let took = joined.elapsed();
+    let writes = server::writes(&fleet.env.cp.audit_log_path(), &r0_users);
+    // Children and status; the leader's labelling of the policy is not the reconcile's.
+    let reconciled = |w: &&server::Write| {
+        w.object.ends_with(&format!("/{stuck_ns}/app-0/status"))
+            || ["configmaps", "networkpolicies"].iter().any(|k| w.object == format!("{k}/{stuck_ns}/app-0"))
+    };
+    let stuck_by_r0: Vec<_> = writes.iter().filter(reconciled).collect();
+    assert!(stuck_by_r0.is_empty(), "r-0 wrote for the policy it is stuck on: {stuck_by_r0:?}");
+    assert!(fleet.replicas["r-0"].is_ready(), "a stuck reconcile made r-0 unready");
+    // r-0 cannot drain before the reconcile timeout, so it exits only when killed.
+    fleet.kill("r-0");
+    fleet.converged("the stuck bucket moved").await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: stuck reconcile: an edit in a gained namespace reconciled after {:.2} s; the stuck \
+         bucket moved on {:.2} s after r-2 joined, without an acknowledgement; {} writes seen by the server, {} overlapping",
+        gained_edit.as_secs_f64(),
+        took.as_secs_f64(),
+        verdict.writes,
+        verdict.overlapping.len()
+    );
+    assert!(
+        gained_edit < fleet::lease_duration() * 3,
+        "an edit in a gained namespace waited {gained_edit:?} behind a stuck reconcile"
+    );
+    assert!(took < fleet::lease_duration() * 3, "the stuck bucket took {took:?} to move on");
 }
 
 /// Every member any published assignment named, as seen by a watch of the assignment.
