@@ -24,8 +24,8 @@ use crate::coordination::leader::Leader;
 use crate::coordination::lease::MemberLease;
 use crate::coordination::members::Members;
 use crate::coordination::ownership::Ownership;
-use crate::reconcile::TrafficPolicyReconciler;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
+use crate::reconcile::{FIELD_MANAGER, TrafficPolicyReconciler};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::{Controller, Settings, watch};
@@ -106,14 +106,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 owned.clone(),
                 selector.clone(),
             ),
+            selector.clone(),
             "NetworkPolicy",
             owner_kind,
+            FIELD_MANAGER,
         )
         .boxed(),
         watch::children(
-            watch::retargetable(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, selector),
+            watch::retargetable(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, selector.clone()),
+            selector.clone(),
             "ConfigMap",
             owner_kind,
+            FIELD_MANAGER,
         )
         .boxed(),
     ];
@@ -147,7 +151,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     // Run until shutdown; a critical task that ends first stops the process, after the
     // same orderly shutdown.
-    let controller = controller.run(primary, children, child_versions, reconciler, shutdown.clone());
+    let controller = controller.run(primary, children, selector, child_versions, reconciler, shutdown.clone());
     let mut controller = std::pin::pin!(controller);
     let (mut lease_task, mut leader_task, mut follower_task) =
         (Some(lease_task), Some(leader_task), Some(follower_task));

@@ -89,10 +89,6 @@ impl WriteGate for ShardGate<'_> {
         self.in_flight.abandoned(sent);
     }
 
-    fn token(&self) -> u64 {
-        self.in_flight.epoch
-    }
-
     fn routing_labels(&self) -> Vec<(String, String)> {
         vec![(BUCKET_LABEL.to_string(), bucket::label_value(self.in_flight.bucket))]
     }

@@ -2,8 +2,9 @@
 //! ([`desired`]), apply them with server-side apply, then write status ([`status`]) and
 //! events.
 //!
-//! Idempotent: applying unchanged children is a no-op on the server (resourceVersions stay
-//! the same), and status is written only when it differs.
+//! Writes only what changes: a child known to hold what we would apply (see
+//! [`ChildVersions::holds`]) is not applied again, and status is written only when it
+//! differs. So a resync, a restart or a handoff of unchanged policies writes nothing.
 //!
 //! Every write goes through the [`WriteGate`] it is given: checked right before it is sent,
 //! stamped with the gate's fencing token, and bounded in time on both ends. Who may write
@@ -26,7 +27,7 @@ use serde::de::DeserializeOwned;
 
 use crate::api::ApplicationTrafficPolicy;
 use crate::error::{Error, Result};
-use crate::runtime::child_versions::{ApplyEffect, ChildVersions};
+use crate::runtime::child_versions::{ApplyEffect, CONTENT_ANNOTATION, ChildVersions, content_hash};
 use crate::runtime::gate::{FENCE_ANNOTATION, GatedReconciler, WriteGate, bounded, with_server_timeout};
 use crate::runtime::{Action, ObjectKey};
 use crate::sharding::bucket::{self, BUCKET_LABEL};
@@ -102,7 +103,12 @@ impl TrafficPolicyReconciler {
     where
         C: Resource + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
     {
+        let content = content_hash(&child);
+        if self.child_versions.holds(kind, key, content) {
+            return Ok(ApplyEffect::Unchanged);
+        }
         let fence = gate.check(kind)?;
+        child.annotations_mut().insert(CONTENT_ANNOTATION.into(), format!("{content:x}"));
         child.annotations_mut().insert(FENCE_ANNOTATION.into(), fence.to_string());
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let request = Request::new(api.resource_url())
@@ -119,7 +125,7 @@ impl TrafficPolicyReconciler {
             other => other,
         })?;
         let version = applied.resource_version().unwrap_or_default();
-        Ok(self.child_versions.written(kind, key, &version, policy.meta().generation))
+        Ok(self.child_versions.written(kind, key, &version, policy.meta().generation, content))
     }
 
     /// Writes status if it differs from what the cache holds (the fencing token aside).
@@ -131,10 +137,9 @@ impl TrafficPolicyReconciler {
     ) -> Result<()> {
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let mut next = status::next_status(policy.status.as_ref(), policy.meta().generation, outcome, &now);
-        // Unchanged, and stamped with our token already: nothing to write. A status stamped by a
-        // previous owner is stamped anew, so that a late write of that owner's is refused.
-        let stamped = next.shard_epoch.is_some_and(|e| e >= gate.token());
-        if policy.status.as_ref() == Some(&next) && stamped {
+        // Unchanged: nothing to write, even when a previous owner's epoch is on it (see
+        // docs/sharding.md, "Fencing without rewrites").
+        if policy.status.as_ref() == Some(&next) {
             return Ok(());
         }
         next.shard_epoch = Some(gate.check("status")?);

@@ -5,6 +5,11 @@
 //! an update (the policy changed). Children share their owner's key, so an entry is
 //! dropped with its owner.
 //!
+//! It also knows what each child holds (a hash of the content we wrote, stamped on the child
+//! as [`CONTENT_ANNOTATION`]) when the child is known to be as we wrote it, so the reconcile
+//! can skip an apply that would change nothing: no write per child at resync, restart or
+//! handoff.
+//!
 //! The echo of a write may arrive before the write's response. So while an owner is being
 //! written ([`ChildVersions::begin_write`] … [`ChildVersions::end_write`]), events for its
 //! children are held, and compared with what we wrote once the writes are done.
@@ -12,7 +17,33 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use kube::api::ObjectMeta;
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64;
+
 use super::key::ObjectKey;
+
+/// On every child we write: the [`content_hash`] of what we wrote, in hex.
+pub const CONTENT_ANNOTATION: &str = "trafficpolicy.dev/content";
+
+/// A hash of a child as we would write it (before the content and fencing annotations go on).
+pub fn content_hash<C: Serialize>(child: &C) -> u64 {
+    xxh3_64(&serde_json::to_vec(child).expect("a child serializes"))
+}
+
+/// The content hash stamped on a child, if the child is still as its last apply by
+/// `field_manager` left it: no other manager has changed it since. managedFields times have
+/// one-second resolution, so a change in the same second counts as someone else's.
+pub fn stamped_content(meta: &ObjectMeta, field_manager: &str) -> Option<u64> {
+    let stamp = meta.annotations.as_ref()?.get(CONTENT_ANNOTATION)?;
+    let entries = meta.managed_fields.as_deref().unwrap_or_default();
+    let ours = |e: &&k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry| {
+        e.manager.as_deref() == Some(field_manager)
+    };
+    let last_apply = entries.iter().filter(ours).filter_map(|e| e.time.as_ref()).map(|t| t.0).max()?;
+    let changed_since = entries.iter().filter(|e| !ours(e)).any(|e| e.time.as_ref().is_none_or(|t| t.0 >= last_apply));
+    if changed_since { None } else { u64::from_str_radix(stamp, 16).ok() }
+}
 
 /// What we know of one child.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -21,6 +52,13 @@ struct Known {
     resource_version: Option<String>,
     /// The owner's generation at our last write.
     written_for_generation: Option<i64>,
+    /// The content hash of what the child holds, when known: from our write, or from an
+    /// event whose change was our field manager's (see [`stamped_content`]).
+    content: Option<u64>,
+}
+
+impl Known {
+    const UNKNOWN: Known = Known { resource_version: None, written_for_generation: None, content: None };
 }
 
 /// What an apply did to a child.
@@ -68,26 +106,44 @@ pub struct ChildVersions {
 struct Inner {
     known: HashMap<(&'static str, ObjectKey), Known>,
     /// Owners being written, with the child events that arrived meanwhile.
-    writing: HashMap<ObjectKey, Vec<(&'static str, Option<String>)>>,
+    writing: HashMap<ObjectKey, Vec<Observed>>,
 }
 
+/// A child event: its kind, resourceVersion (`None`: deleted) and stamped content.
+type Observed = (&'static str, Option<String>, Option<u64>);
+
 impl ChildVersions {
-    /// Records a version seen by the watch; true when it is news (not our own write's echo).
-    pub fn observe(&self, kind: &'static str, key: &ObjectKey, resource_version: Option<&str>) -> bool {
+    /// Records a version seen by the watch, with the content it is known to hold; true when
+    /// it is news (not our own write's echo).
+    pub fn observe(
+        &self,
+        kind: &'static str,
+        key: &ObjectKey,
+        resource_version: Option<&str>,
+        content: Option<u64>,
+    ) -> bool {
         let mut inner = self.lock();
         if let Some(held) = inner.writing.get_mut(key) {
-            held.push((kind, resource_version.map(str::to_string)));
+            held.push((kind, resource_version.map(str::to_string), content));
             return false;
         }
-        let entry = inner
-            .known
-            .entry((kind, key.clone()))
-            .or_insert(Known { resource_version: None, written_for_generation: None });
+        let entry = inner.known.entry((kind, key.clone())).or_insert(Known::UNKNOWN);
         if entry.resource_version.as_deref() == resource_version && resource_version.is_some() {
             return false;
         }
         entry.resource_version = resource_version.map(str::to_string);
+        entry.content = content.filter(|_| resource_version.is_some());
         true
+    }
+
+    /// True when the child is known to exist holding exactly `content`: applying it again
+    /// would change nothing.
+    pub fn holds(&self, kind: &'static str, key: &ObjectKey, content: u64) -> bool {
+        let inner = self.lock();
+        inner
+            .known
+            .get(&(kind, key.clone()))
+            .is_some_and(|k| k.resource_version.is_some() && k.content == Some(content))
     }
 
     /// Starts writing the children of `owner`: their events are held until the guard is
@@ -101,12 +157,10 @@ impl ChildVersions {
         let mut inner = self.lock();
         let held = inner.writing.remove(owner).unwrap_or_default();
         let mut foreign = false;
-        for (kind, resource_version) in held {
-            let entry = inner
-                .known
-                .entry((kind, owner.clone()))
-                .or_insert(Known { resource_version: None, written_for_generation: None });
+        for (kind, resource_version, content) in held {
+            let entry = inner.known.entry((kind, owner.clone())).or_insert(Known::UNKNOWN);
             if entry.resource_version != resource_version {
+                entry.content = content.filter(|_| resource_version.is_some());
                 entry.resource_version = resource_version;
                 foreign = true;
             }
@@ -114,19 +168,22 @@ impl ChildVersions {
         foreign
     }
 
-    /// Records our write and classifies it.
+    /// Records our write of `content` and classifies it.
     pub fn written(
         &self,
         kind: &'static str,
         key: &ObjectKey,
         resource_version: &str,
         generation: Option<i64>,
+        content: u64,
     ) -> ApplyEffect {
         let mut inner = self.lock();
-        let previous = inner.known.insert(
-            (kind, key.clone()),
-            Known { resource_version: Some(resource_version.to_string()), written_for_generation: generation },
-        );
+        let now = Known {
+            resource_version: Some(resource_version.to_string()),
+            written_for_generation: generation,
+            content: Some(content),
+        };
+        let previous = inner.known.insert((kind, key.clone()), now);
         match previous {
             Some(p) if p.resource_version.as_deref() == Some(resource_version) => ApplyEffect::Unchanged,
             Some(p) if p.written_for_generation.is_none() => ApplyEffect::Applied,
@@ -162,16 +219,67 @@ mod tests {
     fn classifies_writes_and_filters_echoes() {
         let v = ChildVersions::default();
         let k = ObjectKey::new("ns", "a");
-        assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1)), ApplyEffect::Applied);
-        assert!(!v.observe("NetworkPolicy", &k, Some("10")), "echo of our own write");
-        assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1)), ApplyEffect::Unchanged);
-        assert!(v.observe("NetworkPolicy", &k, Some("11")), "someone else edited it");
-        assert_eq!(v.written("NetworkPolicy", &k, "12", Some(1)), ApplyEffect::Repaired);
-        assert!(v.observe("NetworkPolicy", &k, None), "deleted");
-        assert_eq!(v.written("NetworkPolicy", &k, "13", Some(1)), ApplyEffect::Repaired);
-        assert_eq!(v.written("NetworkPolicy", &k, "14", Some(2)), ApplyEffect::Updated);
+        assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1), 1), ApplyEffect::Applied);
+        assert!(!v.observe("NetworkPolicy", &k, Some("10"), None), "echo of our own write");
+        assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1), 1), ApplyEffect::Unchanged);
+        assert!(v.observe("NetworkPolicy", &k, Some("11"), None), "someone else edited it");
+        assert_eq!(v.written("NetworkPolicy", &k, "12", Some(1), 1), ApplyEffect::Repaired);
+        assert!(v.observe("NetworkPolicy", &k, None, None), "deleted");
+        assert_eq!(v.written("NetworkPolicy", &k, "13", Some(1), 1), ApplyEffect::Repaired);
+        assert_eq!(v.written("NetworkPolicy", &k, "14", Some(2), 2), ApplyEffect::Updated);
         v.forget_owner(&k);
         assert!(v.is_empty());
+    }
+
+    #[test]
+    fn an_apply_is_skipped_only_while_the_child_holds_what_we_would_write() {
+        let v = ChildVersions::default();
+        let k = ObjectKey::new("ns", "a");
+        assert!(!v.holds("ConfigMap", &k, 7), "nothing known yet");
+        v.written("ConfigMap", &k, "10", Some(1), 7);
+        assert!(v.holds("ConfigMap", &k, 7));
+        assert!(!v.holds("ConfigMap", &k, 8), "the spec changed: different content");
+        assert!(v.observe("ConfigMap", &k, Some("11"), None), "edited by someone else");
+        assert!(!v.holds("ConfigMap", &k, 7), "edited: repair it");
+        assert!(v.observe("ConfigMap", &k, Some("12"), Some(7)), "applied by another replica of ours");
+        assert!(v.holds("ConfigMap", &k, 7));
+        assert!(v.observe("ConfigMap", &k, None, Some(7)), "deleted");
+        assert!(!v.holds("ConfigMap", &k, 7), "deleted: create it again");
+    }
+
+    fn meta(stamp: Option<&str>, entries: &[(&str, &str)]) -> ObjectMeta {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
+        let entry = |(manager, time): &(&str, &str)| ManagedFieldsEntry {
+            manager: Some(manager.to_string()),
+            time: Some(Time(time.parse().unwrap())),
+            ..Default::default()
+        };
+        ObjectMeta {
+            annotations: stamp.map(|s| [(CONTENT_ANNOTATION.to_string(), s.to_string())].into()),
+            managed_fields: Some(entries.iter().map(entry).collect()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_stamp_counts_only_when_no_other_manager_changed_the_child_since() {
+        let (us, t1, t2) = ("operator", "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z");
+        assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1)]), us), Some(255));
+        assert_eq!(stamped_content(&meta(Some("ff"), &[("kubectl-label", t1), (us, t2)]), us), Some(255));
+        assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1), ("kubectl-edit", t2)]), us), None, "edited after");
+        assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1), ("kubectl-edit", t1)]), us), None, "same second");
+        assert_eq!(stamped_content(&meta(None, &[(us, t1)]), us), None, "no stamp");
+        assert_eq!(stamped_content(&meta(Some("ff"), &[("kubectl-create", t1)]), us), None, "never applied by us");
+    }
+
+    #[test]
+    fn content_hashes_follow_the_content() {
+        let cm = |value: &str| k8s_openapi::api::core::v1::ConfigMap {
+            data: Some([("k".to_string(), value.to_string())].into()),
+            ..Default::default()
+        };
+        assert_eq!(content_hash(&cm("a")), content_hash(&cm("a")));
+        assert_ne!(content_hash(&cm("a")), content_hash(&cm("b")));
     }
 
     #[test]
@@ -179,17 +287,17 @@ mod tests {
         let v = ChildVersions::default();
         let k = ObjectKey::new("ns", "a");
         let write = v.begin_write(&k);
-        assert!(!v.observe("ConfigMap", &k, Some("5")), "held while writing");
-        assert_eq!(v.written("ConfigMap", &k, "5", Some(1)), ApplyEffect::Applied);
+        assert!(!v.observe("ConfigMap", &k, Some("5"), None), "held while writing");
+        assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Applied);
         assert!(!write.finish(), "it was our own echo");
-        assert!(!v.observe("ConfigMap", &k, Some("5")));
+        assert!(!v.observe("ConfigMap", &k, Some("5"), None));
 
         let write = v.begin_write(&k);
-        assert_eq!(v.written("ConfigMap", &k, "5", Some(1)), ApplyEffect::Unchanged);
-        assert!(!v.observe("ConfigMap", &k, Some("6")), "held");
+        assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Unchanged);
+        assert!(!v.observe("ConfigMap", &k, Some("6"), None), "held");
         assert!(write.finish(), "someone else wrote after us: look again");
 
         drop(v.begin_write(&k));
-        assert!(v.observe("ConfigMap", &k, Some("7")), "a dropped write holds nothing back");
+        assert!(v.observe("ConfigMap", &k, Some("7"), None), "a dropped write holds nothing back");
     }
 }

@@ -7,8 +7,12 @@
 //!   per-key exponential backoff, reset on success;
 //! - a reconcile that panics is caught, counted, and retried with backoff like an error,
 //!   so its key is never left marked as processing;
+//! - no reconcile starts until every child watch has listed the current selector: until then
+//!   what is known of the children is incomplete, and a reconcile would write children it
+//!   could have known to be current;
 //! - on shutdown no new work is taken, and in-flight reconciles get `drain_timeout`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +34,7 @@ use super::child_versions::ChildVersions;
 use super::key::ObjectKey;
 use super::predicate::GenerationPredicate;
 use super::queue::{Priority, WorkQueue};
-use super::watch::ChildEvent;
+use super::watch::{ChildEvent, Selector};
 use crate::error::{Error, Result};
 use crate::telemetry::admin::Health;
 use crate::telemetry::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
@@ -67,6 +71,9 @@ pub struct Settings {
 pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
     settings: Settings,
     queue: Arc<WorkQueue<ObjectKey>>,
+    /// The selector each child watch last listed, by kind (absent while it relists); workers
+    /// wait until every one of them has listed the current selector.
+    children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Option<String>>>,
     store: Store<K>,
     metrics: ControllerMetrics,
     health: Arc<Health>,
@@ -80,7 +87,8 @@ where
         let queue = Arc::new(WorkQueue::new(settings.backoff, QueueMetrics::new(settings.name)));
         let metrics = ControllerMetrics::new(settings.name, settings.workers);
         metrics::set_cache_synced(settings.name, false);
-        Self { settings, queue, store, metrics, health }
+        let children_listed = tokio::sync::watch::Sender::new(BTreeMap::new());
+        Self { settings, queue, children_listed, store, metrics, health }
     }
 
     /// Runs until `shutdown`, then drains; returns whether every in-flight reconcile finished.
@@ -89,18 +97,27 @@ where
         self,
         primary: impl Stream<Item = watcher::Event<K>> + Send + 'static,
         children: Vec<BoxStream<'static, ChildEvent>>,
+        selector: Selector,
         child_versions: Arc<ChildVersions>,
         reconciler: Arc<R>,
         shutdown: CancellationToken,
     ) -> bool {
+        let child_kinds = children.len();
         let this = Arc::new(self);
         let mut background =
             vec![tokio::spawn(this.clone().feed_primary(primary)), tokio::spawn(this.clone().update_gauges())];
         for stream in children {
             background.push(tokio::spawn(this.clone().feed_children(stream, child_versions.clone())));
         }
-        let workers: Vec<_> =
-            (0..this.settings.workers).map(|_| tokio::spawn(this.clone().work(reconciler.clone()))).collect();
+        let workers: Vec<_> = (0..this.settings.workers)
+            .map(|_| {
+                let selector = selector.clone();
+                let children_listed = move |listed: &BTreeMap<_, Option<String>>| {
+                    listed.len() == child_kinds && listed.values().all(|s| *s == *selector.borrow())
+                };
+                tokio::spawn(this.clone().work(reconciler.clone(), children_listed))
+            })
+            .collect();
 
         shutdown.cancelled().await;
         this.health.set_shutting_down();
@@ -170,15 +187,26 @@ where
         let mut listed_once = false;
         while let Some(event) = children.next().await {
             match event {
-                ChildEvent::Listed { kind } => {
+                ChildEvent::Listing { kind } => {
+                    self.children_listed.send_modify(|listed| {
+                        listed.remove(kind);
+                    });
+                }
+                ChildEvent::Listed { kind, selector } => {
                     listed_once = true;
+                    self.children_listed.send_modify(|listed| {
+                        listed.insert(kind, selector);
+                    });
                     self.health.ready(kind);
                 }
-                ChildEvent::Changed { kind, owner, resource_version, initial } => {
-                    let news = versions.observe(kind, &owner, resource_version.as_deref());
+                ChildEvent::Changed { kind, owner, resource_version, content, initial } => {
+                    let news = versions.observe(kind, &owner, resource_version.as_deref(), content);
                     // The first list only teaches us versions: the primary's initial list
-                    // reconciles every owner anyway.
-                    if news && (listed_once || !initial) {
+                    // reconciles every owner anyway. An owner not (yet) in the cache is left to
+                    // the primary's list: a worker would find it missing and forget what we
+                    // just learnt of its children.
+                    let cached = || self.store.get(&ObjectRef::new(&owner.name).within(&owner.namespace)).is_some();
+                    if news && (listed_once || !initial) && cached() {
                         self.queue.add(owner, Priority::High);
                     }
                 }
@@ -195,8 +223,15 @@ where
         }
     }
 
-    async fn work<R: Reconciler<K>>(self: Arc<Self>, reconciler: Arc<R>) {
+    async fn work<R: Reconciler<K>>(
+        self: Arc<Self>,
+        reconciler: Arc<R>,
+        children_listed: impl Fn(&BTreeMap<&'static str, Option<String>>) -> bool,
+    ) {
+        let mut listed = self.children_listed.subscribe();
         while let Some(key) = self.queue.get().await {
+            // The sender lives as long as `self`, so this cannot fail.
+            let _ = listed.wait_for(&children_listed).await;
             self.metrics.active_workers(1.0);
             self.process(&key, reconciler.as_ref()).await;
             self.queue.done(&key);
@@ -329,7 +364,9 @@ mod tests {
         let shutdown = CancellationToken::new();
         let children = Vec::new();
         let versions = Arc::new(ChildVersions::default());
-        let run = tokio::spawn(controller.run(primary, children, versions, reconciler.clone(), shutdown.clone()));
+        let (_selector_tx, selector) = tokio::sync::watch::channel(None);
+        let run =
+            tokio::spawn(controller.run(primary, children, selector, versions, reconciler.clone(), shutdown.clone()));
         // The paused clock jumps over the backoff; a wedged key would never be called again.
         for _ in 0..600 {
             if reconciler.0.load(Ordering::SeqCst) >= 2 {

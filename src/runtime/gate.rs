@@ -27,8 +27,6 @@ pub trait WriteGate: Send + Sync {
     fn routing_labels(&self) -> Vec<(String, String)>;
     /// A write sent at `sent` was given up unanswered; it may still land for a while.
     fn abandoned(&self, sent: Instant);
-    /// The fencing token this reconcile writes under (without checking it is still valid).
-    fn token(&self) -> u64;
 }
 
 /// A reconciler whose writes go through a [`WriteGate`].
@@ -98,9 +96,6 @@ mod tests {
         }
         fn routing_labels(&self) -> Vec<(String, String)> {
             Vec::new()
-        }
-        fn token(&self) -> u64 {
-            1
         }
         fn abandoned(&self, sent: Instant) {
             self.0.lock().unwrap().push(sent);

@@ -16,6 +16,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+use super::child_versions::stamped_content;
 use super::key::ObjectKey;
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
@@ -70,6 +71,8 @@ where
                 None => current.insert(open(selector.borrow_and_update().clone())),
             };
             let item = tokio::select! {
+                // A changed selector first: nothing of the outdated watch is passed on.
+                biased;
                 changed = selector.changed() => match changed {
                     Ok(()) => None,
                     Err(_) => return None,
@@ -112,42 +115,56 @@ pub enum ChildEvent {
         owner: ObjectKey,
         /// `None` when the child was deleted.
         resource_version: Option<String>,
+        /// What the child holds, if it is as our field manager last applied it.
+        content: Option<u64>,
         /// Part of the initial list of a (re)started watch.
         initial: bool,
     },
-    /// A (re)list is complete.
-    Listed { kind: &'static str },
+    /// A (re)list has begun: what is known of this kind may be incomplete until it is done.
+    Listing { kind: &'static str },
+    /// A (re)list is complete; `selector` is the one it listed, as far as a [`retargetable`]
+    /// stream can tell (it restarts before it yields anything of an outdated selector).
+    Listed { kind: &'static str, selector: Option<String> },
 }
 
 /// Metadata-only events of children whose controller is a `owner_kind`, selected by label
-/// on the server. Nothing is cached: the owner's key is all the runtime needs.
+/// on the server. Nothing is cached: the owner's key, the version and the content stamp of
+/// `field_manager` are all the runtime needs.
 pub fn children<C>(
     events: Events<PartialObjectMeta<C>>,
+    selector: Selector,
     kind: &'static str,
     owner_kind: &'static str,
+    field_manager: &'static str,
 ) -> impl Stream<Item = ChildEvent> + Send
 where
     C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    events.default_backoff().filter_map(move |event| async move {
-        let (child, deleted, initial) = match event {
-            Ok(watcher::Event::Apply(child)) => (child, false, false),
-            Ok(watcher::Event::InitApply(child)) => (child, false, true),
-            Ok(watcher::Event::Delete(child)) => (child, true, false),
-            Ok(watcher::Event::InitDone) => return Some(ChildEvent::Listed { kind }),
-            Ok(watcher::Event::Init) => return None,
-            Err(error) => {
-                tracing::warn!(kind, %error, "child watch failed; retrying with backoff");
-                return None;
-            }
-        };
-        let owner = child.owner_references().iter().find(|o| o.controller == Some(true) && o.kind == owner_kind)?;
-        Some(ChildEvent::Changed {
-            kind,
-            owner: ObjectKey::new(child.namespace().unwrap_or_default(), owner.name.clone()),
-            resource_version: if deleted { None } else { child.resource_version() },
-            initial,
-        })
+    events.default_backoff().filter_map(move |event| {
+        let selector = selector.clone();
+        async move {
+            let (child, deleted, initial) = match event {
+                Ok(watcher::Event::Apply(child)) => (child, false, false),
+                Ok(watcher::Event::InitApply(child)) => (child, false, true),
+                Ok(watcher::Event::Delete(child)) => (child, true, false),
+                Ok(watcher::Event::InitDone) => {
+                    return Some(ChildEvent::Listed { kind, selector: selector.borrow().clone() });
+                }
+                Ok(watcher::Event::Init) => return Some(ChildEvent::Listing { kind }),
+                Err(error) => {
+                    tracing::warn!(kind, %error, "child watch failed; retrying with backoff");
+                    return None;
+                }
+            };
+            let owner = child.owner_references().iter().find(|o| o.controller == Some(true) && o.kind == owner_kind)?;
+            Some(ChildEvent::Changed {
+                kind,
+                owner: ObjectKey::new(child.namespace().unwrap_or_default(), owner.name.clone()),
+                resource_version: if deleted { None } else { child.resource_version() },
+                content: stamped_content(&child.metadata, field_manager),
+                initial,
+            })
+        }
     })
 }
 

@@ -246,3 +246,20 @@ impl Operator {
         self.process.stop(Duration::from_secs(20))
     }
 }
+
+/// What `user` wrote, as kube-apiserver's audit log has it (see
+/// `ControlPlane::audit_log_path`): `resource/namespace/name[/subresource]`, oldest first.
+pub fn audited_writes(cp: &ControlPlane, user: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(cp.audit_log_path()).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|e| e["stage"] == "ResponseComplete" && e["user"]["username"] == user)
+        .map(|e| {
+            let r = &e["objectRef"];
+            let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+            let sub = field("subresource");
+            let object = format!("{}/{}/{}", field("resource"), field("namespace"), field("name"));
+            if sub.is_empty() { object } else { format!("{object}/{sub}") }
+        })
+        .collect()
+}

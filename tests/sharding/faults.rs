@@ -56,18 +56,18 @@ async fn a_second_process_with_the_same_pod_name_waits_for_the_first() {
     let t_kill = fleet.kill("r-0");
     twin.wait_ready().await;
     fleet.replicas.insert("r-0".into(), twin);
-    stop_churn.store(true, Ordering::Relaxed);
-    churner.await.unwrap();
-    fleet.converged("the first r-0 died").await;
-    fleet.balanced().await;
-    let reconciles = crate::assert_no_overlapping_reconciles(&fleet, &[(t_kill, "r-0".into())]);
-    // It takes the first one's slice over and stamps its own epoch on what it writes.
+    // It takes the first one's slice over: the changes that keep coming are its to write.
     let second_users = [second.clone()].into_iter().collect();
     let took_over = eventually("the second r-0 writes after the first died", || async {
         let written = server::writes(&fleet.env.cp.audit_log_path(), &second_users).len();
         (written > 0).then_some(written)
     })
     .await;
+    stop_churn.store(true, Ordering::Relaxed);
+    churner.await.unwrap();
+    fleet.converged("the first r-0 died").await;
+    fleet.balanced().await;
+    let reconciles = crate::assert_no_overlapping_reconciles(&fleet, &[(t_kill, "r-0".into())]);
     let verdict = fleet.finish().await;
     println!(
         "sharding summary: duplicate pod name: {reconciles} reconciles, {} writes seen by the server, {} overlapping, \
