@@ -43,6 +43,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             kill_after: None,
             preload: false,
             edits: 0,
+            at_rest: false,
+            resync_seconds: None,
             delete: false,
             operator_binary: None,
             timeout_seconds: 1800,

@@ -1,6 +1,7 @@
 //! `cargo run --release -p loadtest -- <benchmark>`: benchmarks of traffic-policy-operator
 //! on the real local control plane. Results go to stdout as a table and to a JSON file.
 
+mod at_rest;
 mod cache_bytes;
 mod chart;
 mod compare;

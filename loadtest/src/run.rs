@@ -68,6 +68,14 @@ pub struct Args {
     /// and report their latency separately: real changes should not wait behind the backlog.
     #[arg(long, default_value_t = 0)]
     pub edits: usize,
+    /// After convergence (operator mode), count what the API server receives when nothing
+    /// changes: a forced resync of every policy, then a rolling restart of every replica.
+    /// Needs `--resync-seconds`.
+    #[arg(long, requires = "resync_seconds")]
+    pub at_rest: bool,
+    /// The replicas' `--resync-period`, in seconds (default: the operator's).
+    #[arg(long)]
+    pub resync_seconds: Option<u64>,
     /// At the end, delete every policy and wait until the watch has seen them all go.
     #[arg(long)]
     pub delete: bool,
@@ -85,11 +93,18 @@ struct Tracker {
     converged: HashMap<String, (i64, Instant)>,
     latencies_ms: Vec<f64>,
     deleted: usize,
+    /// The latest generation seen Ready, per policy.
+    ready: HashMap<String, i64>,
 }
 
 impl Tracker {
     fn sent(&mut self, key: String, generation: i64) {
-        self.sent.insert(key, (generation, Instant::now()));
+        self.sent.insert(key.clone(), (generation, Instant::now()));
+        // The watch may have shown it Ready before the write's response came back (its
+        // latency is then the caller's to measure).
+        if self.ready.get(&key).is_some_and(|g| *g >= generation) {
+            self.converged.insert(key, (generation, Instant::now()));
+        }
     }
 
     fn observed(&mut self, policy: &ApplicationTrafficPolicy) {
@@ -99,6 +114,9 @@ impl Tracker {
             s.observed_generation == Some(generation)
                 && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
         });
+        if ready {
+            self.ready.insert(key.clone(), generation);
+        }
         let Some(&(wanted, sent)) = self.sent.get(&key) else { return };
         if ready && generation >= wanted && self.converged.get(&key).is_none_or(|(g, _)| *g < wanted) {
             self.converged.insert(key, (wanted, Instant::now()));
@@ -112,12 +130,12 @@ impl Tracker {
 }
 
 /// (replica name, PID, admin port) of each running replica, for the sampler.
-type Watched = Arc<Mutex<Vec<(String, u32, u16)>>>;
+pub type Watched = Arc<Mutex<Vec<(String, u32, u16)>>>;
 
-struct Replica {
-    name: String,
-    process: controlplane::process::Process,
-    admin_port: u16,
+pub struct Replica {
+    pub name: String,
+    pub process: controlplane::process::Process,
+    pub admin_port: u16,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
@@ -199,6 +217,10 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         wait_converged(&tracker, args, &mut replicas, cp, None, &pids).await?;
         update_seconds = Some(update_started.elapsed().as_secs_f64());
     }
+    let mut at_rest = None;
+    if args.at_rest && args.mode == Mode::Operator {
+        at_rest = Some(crate::at_rest::measure(cp, &client, args, &mut replicas, &pids).await?);
+    }
     let mut delete_seconds = None;
     if args.delete {
         let delete_started = Instant::now();
@@ -266,6 +288,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         "update_seconds": update_seconds,
         "delete_seconds": delete_seconds,
         "edit_latency_ms": edit_percentiles(edit_latencies),
+        "at_rest": at_rest,
         "throughput_per_second": args.objects as f64 / converge_seconds,
         "latency_ms": { "p50": percentile(0.5), "p95": percentile(0.95), "p99": percentile(0.99) },
         "replica_stats": per_replica,
@@ -288,7 +311,7 @@ async fn start_replicas(cp: &controlplane::ControlPlane, client: &Client, args: 
     Ok(replicas)
 }
 
-async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &str) -> anyhow::Result<Replica> {
+pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &str) -> anyhow::Result<Replica> {
     let binary = match &args.operator_binary {
         Some(path) => path.clone(),
         None => std::env::current_exe()?.with_file_name("traffic-policy-operator"),
@@ -299,7 +322,7 @@ async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &str)
         binary.display()
     );
     let admin_port = controlplane::free_port()?;
-    let process_args = vec![
+    let mut process_args = vec![
         format!("--kubeconfig={}", cp.kubeconfig_path().display()),
         "--namespace=tpo-system".to_string(),
         format!("--pod-name={name}"),
@@ -307,6 +330,9 @@ async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &str)
         format!("--workers={}", args.workers),
         "--log-level=warn".to_string(),
     ];
+    if let Some(seconds) = args.resync_seconds {
+        process_args.push(format!("--resync-period={seconds}s"));
+    }
     let log = cp.dir().join(format!("{name}-{admin_port}.log"));
     let mut process = controlplane::process::Process::start("traffic-policy-operator", &binary, &process_args, &log)?;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -550,6 +576,17 @@ pub fn summary(result: &serde_json::Value) -> String {
         result["latency_ms"]["p95"].as_f64().unwrap_or_default(),
         result["latency_ms"]["p99"].as_f64().unwrap_or_default(),
     );
+    if let Some(at_rest) = result["at_rest"].as_object() {
+        for (phase, what) in [("resync", "a forced resync"), ("rolling_restart", "a rolling restart")] {
+            let w = &at_rest[phase];
+            text += &format!(
+                "  at rest, {what}: {} child applies, {} status writes: {:.4} writes per policy\n",
+                w["child_applies"],
+                w["status_writes"],
+                w["writes_per_policy"].as_f64().unwrap_or_default()
+            );
+        }
+    }
     for r in result["replica_stats"].as_array().into_iter().flatten() {
         text += &format!(
             "  {}: {:.1} CPU-s, peak RSS {:.1} MiB, {} cached\n",

@@ -1,18 +1,27 @@
 //! The leader's labelling duty: every policy gets its bucket label, so that each replica's
 //! watches can ask the API server for its own buckets only.
+//!
+//! A policy an unlabelled-policy watch *event* reports (created, or edited while still
+//! unlabelled) is labelled before the backlog of the initial list: a user waiting on an edit
+//! must not wait behind a preload. How many patches are in flight adapts to the API server:
+//! halved on 429 (after the pause its Retry-After asks for), grown by one per batch that
+//! went through (additive increase, multiplicative decrease, as TCP does).
 
-use std::collections::BTreeSet;
-use std::sync::Mutex;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::future::join_all;
 use kube::api::{Api, PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
+use tokio::sync::watch;
 
 use crate::api::ApplicationTrafficPolicy;
 use crate::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
 use crate::telemetry::metrics as m;
+
+type Key = (String, String);
 
 /// Labels every policy that has no bucket label yet. Runs while leading; the selector
 /// makes the API server send only unlabelled policies, so this costs nothing at rest.
@@ -23,55 +32,220 @@ pub async fn label_unlabeled_policies(client: Client, namespace: Option<String>)
     };
     let config = watcher::Config::default().labels(&format!("!{BUCKET_LABEL}"));
     let events = watcher(api, config).default_backoff();
-    // Labels are independent writes: several in flight, so a burst of new policies is not
-    // held up behind one request at a time. Failures are retried every second.
-    let retry: Mutex<BTreeSet<(String, String)>> = Mutex::default();
-    let label_all = events.for_each_concurrent(LABEL_CONCURRENCY, |event| async {
+    let pending = watch::Sender::new(Pending::default());
+    let feed = events.for_each(|event| {
         match event {
-            Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => {
-                let key = (p.namespace().unwrap_or_default(), p.name_any());
-                if !label(&client, &key).await {
-                    retry.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
-                }
-            }
+            Ok(watcher::Event::Apply(p)) => pending.send_modify(|q| q.push(key(&p), Lane::Fresh)),
+            Ok(watcher::Event::InitApply(p)) => pending.send_modify(|q| q.push(key(&p), Lane::Backlog)),
+            Ok(watcher::Event::Delete(p)) => pending.send_modify(|q| q.remove(&key(&p))),
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
             Err(error) => tracing::warn!(%error, "unlabelled-policy watch failed; retrying"),
-            _ => {}
         }
+        std::future::ready(())
     });
-    let retry_failed = async {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        loop {
-            tick.tick().await;
-            let keys = std::mem::take(&mut *retry.lock().unwrap_or_else(|e| e.into_inner()));
-            for key in keys {
-                if !label(&client, &key).await {
-                    retry.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
-                }
-            }
-        }
-    };
     tokio::select! {
-        () = label_all => {}
-        () = retry_failed => {}
+        () = feed => {}
+        () = label_pending(&client, &pending) => {}
     }
 }
 
-/// Label patches in flight at once while leading.
-const LABEL_CONCURRENCY: usize = 16;
+fn key(policy: &PartialObjectMeta<ApplicationTrafficPolicy>) -> Key {
+    (policy.namespace().unwrap_or_default(), policy.name_any())
+}
 
-/// True when labelled (or gone).
-async fn label(client: &Client, (namespace, name): &(String, String)) -> bool {
+/// Takes batches of pending keys, fresh ones first, as many as the pacer allows.
+async fn label_pending(client: &Client, pending: &watch::Sender<Pending>) {
+    let mut pacer = Pacer::default();
+    let mut changed = pending.subscribe();
+    loop {
+        let _ = changed.wait_for(|q| !q.is_empty()).await;
+        let batch = {
+            let mut batch = Vec::new();
+            pending.send_modify(|q| batch = q.take(pacer.in_flight()));
+            batch
+        };
+        m::set_unlabelled(pending.borrow().len() + batch.len());
+        let results = join_all(batch.iter().map(|key| label(client, key))).await;
+        let mut retry_after = None;
+        for (key, result) in batch.into_iter().zip(results) {
+            match result {
+                Labelled::Done => {}
+                Labelled::Throttled(after) => {
+                    retry_after = retry_after.max(Some(after));
+                    pending.send_modify(|q| q.push(key, Lane::Fresh));
+                }
+                Labelled::Failed => pending.send_modify(|q| q.push(key, Lane::Backlog)),
+            }
+        }
+        m::set_unlabelled(pending.borrow().len());
+        if let Some(pause) = pacer.after_batch(retry_after) {
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
+enum Labelled {
+    /// Labelled, or gone.
+    Done,
+    /// The API server answered 429; it asks for this pause.
+    Throttled(Duration),
+    /// Any other failure: retried after the backlog.
+    Failed,
+}
+
+async fn label(client: &Client, (namespace, name): &Key) -> Labelled {
     let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
     let patch = serde_json::json!({ "metadata": { "labels": { BUCKET_LABEL: label_value(bucket_of(namespace)) } } });
     match api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
         Ok(_) => {
             m::count_bucket_label();
-            true
+            Labelled::Done
         }
-        Err(kube::Error::Api(s)) if s.code == 404 => true,
+        Err(kube::Error::Api(s)) if s.code == 404 => Labelled::Done,
+        Err(kube::Error::Api(s)) if s.code == 429 => {
+            let seconds = s.details.as_ref().map(|d| d.retry_after_seconds).filter(|s| *s > 0).unwrap_or(1);
+            Labelled::Throttled(Duration::from_secs(u64::from(seconds)))
+        }
         Err(error) => {
             tracing::warn!(%error, policy = %format!("{namespace}/{name}"), "labelling failed; retrying");
-            false
+            Labelled::Failed
         }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Lane {
+    /// Seen through a watch event: someone is likely waiting on it.
+    Fresh,
+    /// From a (re)list.
+    Backlog,
+}
+
+/// Unlabelled policies waiting, in two lanes, each key once. `queued` says which lane a key
+/// is in; copies left in the other lane's deque (moved up, or removed) are skipped when
+/// reached, so that no step scans a lane: the backlog may hold 50,000 keys.
+#[derive(Default)]
+struct Pending {
+    fresh: VecDeque<Key>,
+    backlog: VecDeque<Key>,
+    queued: HashMap<Key, Lane>,
+}
+
+impl Pending {
+    /// Queues `key`; a key already in the backlog moves up when it shows up fresh.
+    fn push(&mut self, key: Key, lane: Lane) {
+        match (self.queued.get(&key), lane) {
+            (Some(Lane::Fresh), _) | (Some(Lane::Backlog), Lane::Backlog) => return,
+            _ => {}
+        }
+        self.queued.insert(key.clone(), lane);
+        match lane {
+            Lane::Fresh => self.fresh.push_back(key),
+            Lane::Backlog => self.backlog.push_back(key),
+        }
+    }
+
+    fn remove(&mut self, key: &Key) {
+        self.queued.remove(key);
+    }
+
+    /// Up to `n` keys, fresh ones first.
+    fn take(&mut self, n: usize) -> Vec<Key> {
+        let mut taken = Vec::with_capacity(n);
+        for (deque, lane) in [(&mut self.fresh, Lane::Fresh), (&mut self.backlog, Lane::Backlog)] {
+            while taken.len() < n {
+                let Some(key) = deque.pop_front() else { break };
+                if self.queued.get(&key) == Some(&lane) {
+                    self.queued.remove(&key);
+                    taken.push(key);
+                }
+            }
+        }
+        taken
+    }
+
+    fn len(&self) -> usize {
+        self.queued.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queued.is_empty()
+    }
+}
+
+/// How many label patches go out at once: additive increase, multiplicative decrease.
+struct Pacer {
+    limit: usize,
+}
+
+impl Default for Pacer {
+    fn default() -> Self {
+        Self { limit: Self::START }
+    }
+}
+
+impl Pacer {
+    const START: usize = 16;
+    const MAX: usize = 64;
+
+    fn in_flight(&self) -> usize {
+        self.limit
+    }
+
+    /// After a batch: halve on a 429 and pause as asked; otherwise grow by one.
+    fn after_batch(&mut self, throttled: Option<Duration>) -> Option<Duration> {
+        match throttled {
+            Some(pause) => {
+                self.limit = (self.limit / 2).max(1);
+                Some(pause)
+            }
+            None => {
+                self.limit = (self.limit + 1).min(Self::MAX);
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(name: &str) -> Key {
+        ("ns".to_string(), name.to_string())
+    }
+
+    #[test]
+    fn policies_seen_in_watch_events_go_before_the_backlog() {
+        let mut q = Pending::default();
+        for name in ["a", "b", "c"] {
+            q.push(k(name), Lane::Backlog);
+        }
+        q.push(k("new"), Lane::Fresh);
+        q.push(k("c"), Lane::Fresh); // edited while still waiting in the backlog
+        q.push(k("new"), Lane::Fresh);
+        assert_eq!(q.len(), 4, "each key once");
+        assert_eq!(q.take(3), vec![k("new"), k("c"), k("a")]);
+        q.remove(&k("b"));
+        assert!(q.is_empty(), "deleted while waiting");
+        assert!(q.take(10).is_empty(), "copies left behind in the backlog are skipped");
+    }
+
+    #[test]
+    fn the_pacer_halves_on_429_and_grows_by_one_otherwise() {
+        let mut pacer = Pacer::default();
+        assert_eq!(pacer.after_batch(None), None);
+        assert_eq!(pacer.in_flight(), Pacer::START + 1);
+        let pause = Duration::from_secs(3);
+        assert_eq!(pacer.after_batch(Some(pause)), Some(pause), "the server's Retry-After is honoured");
+        assert_eq!(pacer.in_flight(), 8, "17 halved");
+        for _ in 0..10 {
+            pacer.after_batch(Some(pause));
+        }
+        assert_eq!(pacer.in_flight(), 1, "never below one");
+        for _ in 0..200 {
+            pacer.after_batch(None);
+        }
+        assert_eq!(pacer.in_flight(), Pacer::MAX);
     }
 }

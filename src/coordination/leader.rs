@@ -115,6 +115,7 @@ impl Leader {
             } else if let Some(task) = labeler.take() {
                 tracing::info!("no longer the leader");
                 task.abort();
+                m::set_unlabelled(0);
             }
             tokio::select! {
                 _ = tokio::time::sleep_until(next_attempt) => {}

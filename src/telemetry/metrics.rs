@@ -67,6 +67,10 @@ fn describe() {
     );
     describe_counter!("controller_runtime_reconcile_panics_total", "Reconciles that panicked (caught and retried).");
     describe_counter!("traffic_policy_bucket_labels_total", "Policies the leader labelled with their bucket.");
+    describe_gauge!(
+        "traffic_policy_unlabelled_policies",
+        "Policies waiting for their bucket label (reported by the leader; 0 elsewhere)."
+    );
 }
 
 /// Sharding gauges and counters.
@@ -97,6 +101,10 @@ pub fn record_unowned(unowned: usize, elapsed: Duration) {
     if unowned > 0 {
         counter!("traffic_policy_unowned_milliseconds_total").increment(elapsed.as_millis() as u64);
     }
+}
+
+pub fn set_unlabelled(count: usize) {
+    gauge!("traffic_policy_unlabelled_policies").set(count as f64);
 }
 
 pub fn count_bucket_label() {

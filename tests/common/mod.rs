@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use controlplane::process::Process;
 use controlplane::{ControlPlane, Grant};
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::flowcontrol::v1::{FlowSchema, GroupSubject, Subject};
 use k8s_openapi::api::rbac::v1::{ClusterRole, Role};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
@@ -109,6 +110,25 @@ async fn install_once(cp: &'static ControlPlane) {
                 let object = serde_yaml::Value::deserialize(document).unwrap();
                 apply_dynamic(&client, &object).await;
             }
+            // deploy/flowschema.yaml, for every service account: each test runs its operators
+            // under accounts of its own.
+            let mut schema: FlowSchema = read_yaml("deploy/flowschema.yaml");
+            schema.metadata.name = Some("traffic-policy-operator-coordination-tests".into());
+            let spec = schema.spec.as_mut().unwrap();
+            spec.matching_precedence = Some(310);
+            for rule in spec.rules.iter_mut().flatten() {
+                rule.subjects = vec![Subject {
+                    kind: "Group".into(),
+                    group: Some(GroupSubject { name: "system:serviceaccounts".into() }),
+                    ..Default::default()
+                }];
+                // Leases only: the tests' children may share a namespace with their operator.
+                let rules = rule.resource_rules.get_or_insert_default();
+                rules.retain(|r| r.resources.iter().any(|resource| resource == "leases"));
+                rules.iter_mut().for_each(|r| r.namespaces = Some(vec!["*".into()]));
+            }
+            let schemas = Api::<FlowSchema>::all(client.clone());
+            schemas.patch(&schema.name_any(), &apply, &Patch::Apply(&schema)).await.unwrap();
             let role = operator_cluster_role();
             Api::<ClusterRole>::all(client.clone())
                 .patch(&role.name_any(), &apply, &Patch::Apply(&role))

@@ -7,11 +7,13 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::TestEnv;
+use common::{TestEnv, eventually};
 use controlplane::ControlPlane;
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -151,4 +153,51 @@ fn the_dockerfile_refers_to_what_exists() {
     ] {
         assert!(repo(dummy).exists(), "the dependency layer stubs {dummy}, which the real build replaces");
     }
+}
+
+/// deploy/flowschema.yaml puts the operator's Lease and assignment requests in the
+/// `leader-election` priority level and leaves its other requests where they were, as the
+/// API server's response headers say (they name the flow schema and level of each request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flowschema_puts_coordination_requests_in_the_leader_election_level() {
+    let env = TestEnv::new("deploy-flowschema").await;
+    let identity = env.operator_identity("traffic-policy-operator", None).await;
+    // As a namespace overlay would place it: the subject and the rules in the test's namespace.
+    let mut schema: FlowSchema = common::read_yaml("deploy/flowschema.yaml");
+    for rule in schema.spec.as_mut().unwrap().rules.iter_mut().flatten() {
+        for subject in &mut rule.subjects {
+            subject.service_account.as_mut().unwrap().namespace = env.namespace.clone();
+        }
+        rule.resource_rules.iter_mut().flatten().for_each(|r| r.namespaces = Some(vec![env.namespace.clone()]));
+    }
+    let apply = PatchParams::apply("deploy-tests").force();
+    let schemas = Api::<FlowSchema>::all(env.client.clone());
+    let schema = schemas.patch(&schema.name_any(), &apply, &Patch::Apply(&schema)).await.unwrap();
+    let levels = Api::<PriorityLevelConfiguration>::all(env.client.clone());
+    let leader_election = levels.get("leader-election").await.unwrap().uid().unwrap();
+
+    let client = identity.client(env.cp).await.unwrap();
+    let served_by = |path: String| {
+        let client = client.clone();
+        async move {
+            let response =
+                client.send(http::Request::get(path).body(kube::client::Body::empty()).unwrap()).await.ok()?;
+            let header = |name: &str| response.headers().get(name)?.to_str().ok().map(str::to_string);
+            Some((header("X-Kubernetes-PF-FlowSchema-UID")?, header("X-Kubernetes-PF-PriorityLevel-UID")?))
+        }
+    };
+    let ns = env.namespace.clone();
+    let ours = (schema.uid().unwrap(), leader_election.clone());
+    for path in
+        [format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"), format!("/api/v1/namespaces/{ns}/configmaps")]
+    {
+        // A new flow schema takes effect asynchronously.
+        eventually(&format!("{path} is served by the flow schema"), || async {
+            (served_by(path.clone()).await? == ours).then_some(())
+        })
+        .await;
+    }
+    let policies = format!("/apis/trafficpolicy.dev/v1/namespaces/{ns}/applicationtrafficpolicies");
+    let (_, level) = served_by(policies).await.expect("APF headers on every response");
+    assert_ne!(level, leader_election, "policy requests must stay out of the leader-election level");
 }
