@@ -1,6 +1,7 @@
 //! Command-line flags, each with an environment fallback. No logic here.
 
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -97,6 +98,15 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_RETRY_PERIOD", default_value = "2s", value_parser = humantime::parse_duration)]
     pub retry_period: Duration,
 
+    /// API requests per second this replica may make for its work (watches, reconciles,
+    /// labelling, events), as client-go's `--kube-api-qps`. Lease renewals are not counted.
+    #[arg(long, env = "TPO_KUBE_API_QPS", default_value = "500")]
+    pub kube_api_qps: NonZeroU32,
+
+    /// Requests the rate limit lets through at once before `--kube-api-qps` applies.
+    #[arg(long, env = "TPO_KUBE_API_BURST", default_value = "1000")]
+    pub kube_api_burst: NonZeroU32,
+
     /// Test mode: append a JSON line per reconcile start, API write and reconcile end here.
     #[arg(long, env = "TPO_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
@@ -178,6 +188,21 @@ mod tests {
         assert!(bad.contains("\"Not_Valid\" is not a valid namespace name"), "{bad}");
         let ok = args(&["--pod-name=p-0", "--namespace=ops"]).shard_config().unwrap();
         assert_eq!((ok.lease_duration.as_secs(), ok.renew_deadline.as_secs(), ok.retry_period.as_secs()), (15, 10, 2));
+    }
+
+    #[test]
+    fn every_flag_has_an_environment_fallback_that_the_readme_lists() {
+        use clap::CommandFactory;
+        let readme = include_str!("../README.md");
+        for arg in Cli::command().get_arguments().filter(|a| !a.is_hide_set() && a.get_long().is_some()) {
+            let flag = arg.get_long().unwrap();
+            if ["help", "version"].contains(&flag) {
+                continue;
+            }
+            let env = arg.get_env().unwrap_or_else(|| panic!("--{flag} has no environment fallback"));
+            let env = env.to_str().unwrap();
+            assert!(readme.contains(&format!("`{env}`")), "README.md does not list {env} (--{flag})");
+        }
     }
 
     #[test]

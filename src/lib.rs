@@ -5,14 +5,16 @@
 //! - [`api`]: the custom resource types and their schema;
 //! - [`runtime`]: watch → trimmed cache → generation predicate → work queue → workers;
 //! - [`sharding`]: pure sharding decisions: buckets, the ring, membership, assignment;
-//! - [`shard`]: the sharding protocol's side effects: leases, leader, ownership, handoff;
+//! - [`coordination`]: the sharding protocol's side effects: leases, leader, ownership, handoff;
 //! - [`reconcile`]: the traffic-policy logic, desired objects from the spec (pure), then
 //!   apply, status and events;
 //! - [`telemetry`]: metrics, logs, and the admin server (`/livez`, `/readyz`, `/metrics`);
-//! - [`cli`]: flags and environment; `main.rs` only wires these together.
+//! - [`client`]: the API clients: rate-limited work, unlimited coordination;
+//! - [`cli`]: flags and environment; [`manager`] wires these together, `main.rs` starts it.
 
 pub mod api;
 pub mod cli;
+pub mod client;
 pub mod coordination;
 pub mod error;
 pub mod manager;

@@ -18,6 +18,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
+use crate::client::Clients;
 use crate::coordination::follower::{AssignmentView, Follower};
 use crate::coordination::gate::Sharded;
 use crate::coordination::leader::Leader;
@@ -47,7 +48,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(path) => Audit::open(path, &shard.identity, &shard.incarnation)?,
         None => Audit::default(),
     };
-    let client = client(args.kubeconfig.as_deref()).await?;
+    let config = crate::client::config(args.kubeconfig.as_deref()).await?;
+    let Clients { work: client, coordination } = Clients::new(config, args.kube_api_qps, args.kube_api_burst)?;
     let health = admin::Health::with_gates(&READINESS_GATES);
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
@@ -58,11 +60,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let ownership = Ownership::new(&shard.incarnation, shard.renew_deadline, shard.write_bound());
     let members = Arc::new(Members::default());
     let view = Arc::new(AssignmentView::default());
-    let member_lease = Arc::new(MemberLease::new(client.clone(), &shard, ownership.clone(), view.clone()));
-    let leader = Arc::new(Leader::new(client.clone(), &shard, ownership.clone(), members.clone(), view.clone()));
+    let member_lease = Arc::new(MemberLease::new(coordination.clone(), &shard, ownership.clone(), view.clone()));
+    let leader = Arc::new(Leader::new(
+        coordination.clone(),
+        client.clone(),
+        &shard,
+        ownership.clone(),
+        members.clone(),
+        view.clone(),
+    ));
     let (selector_tx, selector) = tokio::sync::watch::channel(None);
     let follower = Follower::new(
-        client.clone(),
+        coordination.clone(),
         &shard,
         ownership.clone(),
         member_lease.clone(),
@@ -77,7 +86,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut critical: JoinSet<&'static str> = JoinSet::new();
     critical.spawn({
         let (members, client, namespace, health) =
-            (members.clone(), client.clone(), shard.namespace.clone(), health.clone());
+            (members.clone(), coordination.clone(), shard.namespace.clone(), health.clone());
         async move {
             members.watch(client, &namespace, &health).await;
             "the member lease watch"
@@ -106,7 +115,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 owned.clone(),
                 selector.clone(),
             ),
-            selector.clone(),
             "NetworkPolicy",
             owner_kind,
             FIELD_MANAGER,
@@ -114,7 +122,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .boxed(),
         watch::children(
             watch::retargetable(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, selector.clone()),
-            selector.clone(),
             "ConfigMap",
             owner_kind,
             FIELD_MANAGER,
@@ -237,15 +244,7 @@ where
 
 /// A client from `kubeconfig`, or from the in-cluster config or default kubeconfig.
 pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("cannot read kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?
-        }
-        None => kube::Config::infer().await.map_err(|e| anyhow::anyhow!("no Kubernetes configuration found: {e}"))?,
-    };
-    Ok(Client::try_from(config)?)
+    Ok(Client::try_from(crate::client::config(kubeconfig).await?)?)
 }
 
 async fn cancel_on_signal(shutdown: CancellationToken) {

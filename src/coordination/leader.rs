@@ -37,7 +37,7 @@ use crate::telemetry::metrics as m;
 const ABANDONED_AFTER_LEASES: u32 = 20;
 
 pub struct Leader {
-    client: Client,
+    labeller_client: Client,
     lock: LeaseLock,
     config: ShardConfig,
     ownership: Arc<Ownership>,
@@ -54,8 +54,10 @@ pub struct Leader {
 }
 
 impl Leader {
+    /// `client` for coordination; `labeller_client` (rate-limited) for labelling policies.
     pub fn new(
         client: Client,
+        labeller_client: Client,
         config: &ShardConfig,
         ownership: Arc<Ownership>,
         members: Arc<Members>,
@@ -69,8 +71,8 @@ impl Leader {
         Self {
             lock: LeaseLock::new(client.clone(), &config.namespace, params),
             configmaps: Api::namespaced(client.clone(), &config.namespace),
-            leases: Api::namespaced(client.clone(), &config.namespace),
-            client,
+            leases: Api::namespaced(client, &config.namespace),
+            labeller_client,
             config: config.clone(),
             ownership,
             members,
@@ -107,7 +109,7 @@ impl Leader {
             if leading {
                 if labeler.is_none() {
                     tracing::info!("became the leader");
-                    let (client, namespace) = (self.client.clone(), self.config.watch_namespace.clone());
+                    let (client, namespace) = (self.labeller_client.clone(), self.config.watch_namespace.clone());
                     labeler = Some(tokio::spawn(label_unlabeled_policies(client, namespace)));
                 }
                 self.publish(None).await;

@@ -53,7 +53,8 @@ pub enum Action {
 /// The business logic plugged into the runtime.
 pub trait Reconciler<K>: Send + Sync + 'static {
     fn reconcile(&self, object: Arc<K>) -> impl Future<Output = Result<Action>> + Send;
-    /// The object is gone from the cache: drop any state kept for it.
+    /// The watch says the object is gone (deleted, or out of the slice): drop any state kept
+    /// for it.
     fn forget(&self, key: &ObjectKey);
 }
 
@@ -104,8 +105,10 @@ where
     ) -> bool {
         let child_kinds = children.len();
         let this = Arc::new(self);
-        let mut background =
-            vec![tokio::spawn(this.clone().feed_primary(primary)), tokio::spawn(this.clone().update_gauges())];
+        let mut background = vec![
+            tokio::spawn(this.clone().feed_primary(primary, reconciler.clone())),
+            tokio::spawn(this.clone().update_gauges()),
+        ];
         for stream in children {
             background.push(tokio::spawn(this.clone().feed_children(stream, child_versions.clone())));
         }
@@ -132,7 +135,14 @@ where
         drained
     }
 
-    async fn feed_primary(self: Arc<Self>, primary: impl Stream<Item = watcher::Event<K>> + Send) {
+    /// Feeds the queue, and tells `reconciler` to forget an object once the watch says it is
+    /// gone (deleted, or out of the slice). Only the watch can say so: a worker that misses
+    /// an object in the cache may be early (the relist that brings it has not completed).
+    async fn feed_primary<R: Reconciler<K>>(
+        self: Arc<Self>,
+        primary: impl Stream<Item = watcher::Event<K>> + Send,
+        reconciler: Arc<R>,
+    ) {
         let mut predicate = GenerationPredicate::default();
         let mut synced_once = false;
         // The reflector publishes a relist to the cache only at InitDone, so its keys wait
@@ -158,6 +168,7 @@ where
                         self.queue.add(key, priority);
                     }
                     for gone in predicate.end_relist() {
+                        reconciler.forget(&gone);
                         self.queue.add(gone, Priority::Low);
                     }
                     synced_once = true;
@@ -173,6 +184,7 @@ where
                 watcher::Event::Delete(object) => {
                     let key = ObjectKey::of(&object);
                     predicate.forget(&key);
+                    reconciler.forget(&key);
                     self.queue.add(key, Priority::High);
                 }
             }
@@ -241,7 +253,6 @@ where
 
     async fn process<R: Reconciler<K>>(&self, key: &ObjectKey, reconciler: &R) {
         let Some(object) = self.store.get(&ObjectRef::new(&key.name).within(&key.namespace)) else {
-            reconciler.forget(key);
             self.queue.forget(key);
             return;
         };

@@ -7,6 +7,7 @@
 //! empty list. Both retry with kube-runtime's default backoff and relist after `410 Gone`.
 
 use std::fmt::Debug;
+use std::sync::Arc;
 
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
@@ -38,29 +39,36 @@ pub type Selector = tokio::sync::watch::Receiver<Option<String>>;
 
 pub type Events<K> = BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
 
-/// A watch of `api` that restarts whenever `selector` changes. `fixed_labels` are always
-/// required in addition.
-pub fn retargetable<K>(api: Api<K>, fixed_labels: Option<String>, selector: Selector) -> Events<K>
+/// Events, each with the selector of the watch that produced it.
+pub type Tagged<K> = BoxStream<'static, (Arc<Option<String>>, Result<watcher::Event<K>, watcher::Error>)>;
+
+/// A watch of `api` that restarts whenever `selector` changes, each event tagged with the
+/// selector it was listed or watched with (so "listed" always means listed *for that
+/// selector*, whatever the selector is by the time the event is handled). `fixed_labels` are
+/// always required in addition. Errors are retried with kube-runtime's default backoff.
+pub fn retargetable<K>(api: Api<K>, fixed_labels: Option<String>, selector: Selector) -> Tagged<K>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
-    let open = move |selector: Option<String>| -> Events<K> {
-        match selector {
+    let open = move |selector: Option<String>| -> Tagged<K> {
+        let tag = Arc::new(selector.clone());
+        let events = match selector {
             Some(selector) => {
                 let labels = fixed_labels.as_ref().map_or(selector.clone(), |fixed| format!("{fixed},{selector}"));
                 // A consistent list (not `any_semantic`): after a handoff, the new owner must not
                 // start from an older state than the previous owner last wrote from.
-                watcher(api.clone(), watcher::Config::default().labels(&labels)).boxed()
+                watcher(api.clone(), watcher::Config::default().labels(&labels)).default_backoff().boxed()
             }
             // An empty list: the cache empties and the source counts as synced.
             None => futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
                 .chain(futures::stream::pending())
                 .boxed(),
-        }
+        };
+        events.map(move |event| (tag.clone(), event)).boxed()
     };
     // Nothing is watched until the first selector is published: before that, this replica
     // does not know its slice, and must not report its cache as synced.
-    let state = (selector, None::<Events<K>>, open, false);
+    let state = (selector, None::<Tagged<K>>, open, false);
     futures::stream::unfold(state, |(mut selector, mut current, open, started)| async move {
         if !started && selector.changed().await.is_err() {
             return None;
@@ -71,7 +79,7 @@ where
                 None => current.insert(open(selector.borrow_and_update().clone())),
             };
             let item = tokio::select! {
-                // A changed selector first: nothing of the outdated watch is passed on.
+                // A changed selector first: nothing more of the outdated watch is passed on.
                 biased;
                 changed = selector.changed() => match changed {
                     Ok(()) => None,
@@ -91,7 +99,7 @@ where
 /// Watch events of the primary resource, applied to `writer`'s cache as they pass, each
 /// object passed through `trim` first (see [`trim`] for what any resource can lose).
 pub fn primary<K>(
-    events: Events<K>,
+    events: Tagged<K>,
     trim: fn(&mut K),
     writer: Writer<K>,
 ) -> impl Stream<Item = watcher::Event<K>> + Send
@@ -99,7 +107,8 @@ where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
-    reflector::reflector(writer, events.default_backoff().modify(trim)).filter_map(move |event| {
+    let events = events.map(|(_, event)| event);
+    reflector::reflector(writer, events.modify(trim)).filter_map(move |event| {
         let kind = kind.clone();
         async move { event.map_err(|error| tracing::warn!(%kind, %error, "watch failed; retrying with backoff")).ok() }
     })
@@ -122,8 +131,7 @@ pub enum ChildEvent {
     },
     /// A (re)list has begun: what is known of this kind may be incomplete until it is done.
     Listing { kind: &'static str },
-    /// A (re)list is complete; `selector` is the one it listed, as far as a [`retargetable`]
-    /// stream can tell (it restarts before it yields anything of an outdated selector).
+    /// A (re)list is complete; `selector` is the one it listed.
     Listed { kind: &'static str, selector: Option<String> },
 }
 
@@ -131,8 +139,7 @@ pub enum ChildEvent {
 /// on the server. Nothing is cached: the owner's key, the version and the content stamp of
 /// `field_manager` are all the runtime needs.
 pub fn children<C>(
-    events: Events<PartialObjectMeta<C>>,
-    selector: Selector,
+    events: Tagged<PartialObjectMeta<C>>,
     kind: &'static str,
     owner_kind: &'static str,
     field_manager: &'static str,
@@ -140,31 +147,26 @@ pub fn children<C>(
 where
     C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    events.default_backoff().filter_map(move |event| {
-        let selector = selector.clone();
-        async move {
-            let (child, deleted, initial) = match event {
-                Ok(watcher::Event::Apply(child)) => (child, false, false),
-                Ok(watcher::Event::InitApply(child)) => (child, false, true),
-                Ok(watcher::Event::Delete(child)) => (child, true, false),
-                Ok(watcher::Event::InitDone) => {
-                    return Some(ChildEvent::Listed { kind, selector: selector.borrow().clone() });
-                }
-                Ok(watcher::Event::Init) => return Some(ChildEvent::Listing { kind }),
-                Err(error) => {
-                    tracing::warn!(kind, %error, "child watch failed; retrying with backoff");
-                    return None;
-                }
-            };
-            let owner = child.owner_references().iter().find(|o| o.controller == Some(true) && o.kind == owner_kind)?;
-            Some(ChildEvent::Changed {
-                kind,
-                owner: ObjectKey::new(child.namespace().unwrap_or_default(), owner.name.clone()),
-                resource_version: if deleted { None } else { child.resource_version() },
-                content: stamped_content(&child.metadata, field_manager),
-                initial,
-            })
-        }
+    events.filter_map(move |(selector, event)| async move {
+        let (child, deleted, initial) = match event {
+            Ok(watcher::Event::Apply(child)) => (child, false, false),
+            Ok(watcher::Event::InitApply(child)) => (child, false, true),
+            Ok(watcher::Event::Delete(child)) => (child, true, false),
+            Ok(watcher::Event::InitDone) => return Some(ChildEvent::Listed { kind, selector: (*selector).clone() }),
+            Ok(watcher::Event::Init) => return Some(ChildEvent::Listing { kind }),
+            Err(error) => {
+                tracing::warn!(kind, %error, "child watch failed; retrying with backoff");
+                return None;
+            }
+        };
+        let owner = child.owner_references().iter().find(|o| o.controller == Some(true) && o.kind == owner_kind)?;
+        Some(ChildEvent::Changed {
+            kind,
+            owner: ObjectKey::new(child.namespace().unwrap_or_default(), owner.name.clone()),
+            resource_version: if deleted { None } else { child.resource_version() },
+            content: stamped_content(&child.metadata, field_manager),
+            initial,
+        })
     })
 }
 

@@ -6,4 +6,5 @@ mod lifecycle;
 mod restart;
 #[path = "../common/mod.rs"]
 mod support;
+mod throttling;
 mod validation;
