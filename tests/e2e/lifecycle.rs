@@ -153,4 +153,20 @@ async fn a_spec_the_server_refuses_is_reported_and_not_retried() {
     })
     .await;
     assert_eq!(operator.metric("workqueue_retries_total", None), 0.0, "terminal errors are not retried with backoff");
+
+    // What a user sees: the message with `-o wide`, and the kind under the category name.
+    let kubectl = |args: &[&str]| {
+        let out = std::process::Command::new("kubectl")
+            .arg(format!("--kubeconfig={}", env.cp.kubeconfig_path().display()))
+            .args(["-n", &env.namespace])
+            .args(args)
+            .output()
+            .expect("kubectl runs");
+        assert!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let wide = kubectl(&["get", "atp", "bad-key", "-o", "wide"]);
+    assert!(wide.contains("MESSAGE") && wide.contains("ipBlock.cidr"), "{wide}");
+    assert!(!kubectl(&["get", "atp", "bad-key"]).contains("MESSAGE"), "the message is for -o wide only");
+    assert!(kubectl(&["get", "trafficpolicy"]).contains("bad-key"), "the category lists the policy");
 }
