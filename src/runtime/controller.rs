@@ -214,11 +214,8 @@ where
                 ChildEvent::Changed { kind, owner, resource_version, content, initial } => {
                     let news = versions.observe(kind, &owner, resource_version.as_deref(), content);
                     // The first list only teaches us versions: the primary's initial list
-                    // reconciles every owner anyway. An owner not (yet) in the cache is left to
-                    // the primary's list: a worker would find it missing and forget what we
-                    // just learnt of its children.
-                    let cached = || self.store.get(&ObjectRef::new(&owner.name).within(&owner.namespace)).is_some();
-                    if news && (listed_once || !initial) && cached() {
+                    // reconciles every owner anyway.
+                    if news && (listed_once || !initial) {
                         self.queue.add(owner, Priority::High);
                     }
                 }

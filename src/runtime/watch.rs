@@ -37,8 +37,6 @@ pub fn trim<K: Resource>(object: &mut K) {
 /// A label selector that can change; `None` selects nothing.
 pub type Selector = tokio::sync::watch::Receiver<Option<String>>;
 
-pub type Events<K> = BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
-
 /// Events, each with the selector of the watch that produced it.
 pub type Tagged<K> = BoxStream<'static, (Arc<Option<String>>, Result<watcher::Event<K>, watcher::Error>)>;
 
