@@ -119,6 +119,11 @@ pub struct RunArgs {
     /// the reconcile timeout drops it (fault injection: a stuck reconcile).
     #[arg(long, env = "TPO_TEST_STALL_ON", hide = true)]
     pub test_stall_on: Option<String>,
+
+    /// Test mode: make the follower task panic this long after start (fault injection: a
+    /// critical task dies while the process lives on).
+    #[arg(long, env = "TPO_TEST_FOLLOWER_PANICS_AFTER", hide = true, value_parser = humantime::parse_duration)]
+    pub test_follower_panics_after: Option<Duration>,
 }
 
 impl RunArgs {

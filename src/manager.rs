@@ -6,6 +6,7 @@
 //! our buckets' new owners and step down.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -100,7 +101,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let (leader, stop) = (leader.clone(), stop_sharding.clone());
         async move { leader.run(stop).await }
     });
-    let follower_task = tokio::spawn(follower.run(stop_sharding.clone()));
+    let follower_task =
+        tokio::spawn(panics_after(args.test_follower_panics_after, follower.run(stop_sharding.clone())));
 
     // The controller: watches of our slice only, filtered by the API server.
     let (store, writer) = reflector::store();
@@ -245,6 +247,15 @@ where
 /// A client from `kubeconfig`, or from the in-cluster config or default kubeconfig.
 pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
     Ok(Client::try_from(crate::client::config(kubeconfig).await?)?)
+}
+
+/// Test fault: `work`, or a panic once `after` has passed if it has not finished by then.
+async fn panics_after<T>(after: Option<Duration>, work: impl Future<Output = T>) -> T {
+    let Some(after) = after else { return work.await };
+    tokio::select! {
+        done = work => done,
+        _ = tokio::time::sleep(after) => panic!("test fault: the task panics after {after:?}"),
+    }
 }
 
 async fn cancel_on_signal(shutdown: CancellationToken) {

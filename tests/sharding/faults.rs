@@ -1,6 +1,7 @@
 //! Faults beyond crashes: a duplicate process, deleted coordination objects, a write that
 //! arrives late, and a delete-and-recreate hidden in a watch gap.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 
 use controlplane::ControlPlane;
@@ -8,8 +9,10 @@ use controlplane::proxy::DelayingProxy;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::coordination::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE};
+use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
 use traffic_policy_operator::sharding::bucket::{self, bucket_of};
 use traffic_policy_operator::sharding::ring::Ring;
 
@@ -98,13 +101,22 @@ async fn a_deleted_member_lease_is_not_taken_for_a_dead_member() {
         fleet.start(name).await;
     }
     fleet.converged("the initial creation").await;
+    fleet.balanced().await;
     let (stop_churn, churner) = fleet.churn();
     let name = "traffic-policy-operator-member-r-1";
+    let published = fleet.env.api::<ConfigMap>().get(ASSIGNMENT_CONFIGMAP).await.unwrap();
+    let assignment = Assignment::decode(&published.data.unwrap()).unwrap();
+    let r1_slice: BTreeSet<_> = (0..bucket::BUCKETS)
+        .filter(
+            |b| matches!(&assignment.slots[usize::from(*b)], Slot::Owned { member, .. } if is_replica(member, "r-1")),
+        )
+        .collect();
+    let before = fleet.server_writes().len();
     leases.delete(name, &DeleteParams::default()).await.unwrap();
     // r-1 keeps working and writes its Lease again; its slice moves only through revocation.
     eventually("r-1 holds its member lease again", || async {
         let lease = leases.get_opt(name).await.ok()??;
-        lease.spec?.holder_identity.filter(|h| h.starts_with("r-1_")).map(|_| ())
+        lease.spec?.holder_identity.filter(|h| is_replica(h, "r-1")).map(|_| ())
     })
     .await;
     fleet.converged("the lease deletion").await;
@@ -115,7 +127,19 @@ async fn a_deleted_member_lease_is_not_taken_for_a_dead_member() {
     let reconciles = crate::assert_no_overlapping_reconciles(&fleet, &[]);
     assignments.abort();
     let named = named.lock().unwrap().clone();
-    assert!(!named.is_empty() && !named.contains("ghost_0"), "the ghost was given buckets: {named:?}");
+    assert!(
+        !named.is_empty() && !named.iter().any(|m| is_replica(m, "ghost")),
+        "the ghost was given buckets: {named:?}"
+    );
+    // From the server's side: r-1 kept its slice, as it never stopped renewing.
+    let r1 = &fleet.users["r-1"];
+    let moved: BTreeSet<String> = fleet.server_writes()[before..]
+        .iter()
+        .filter(|w| !r1.contains(&w.user))
+        .filter(|w| w.object.split('/').nth(1).is_some_and(|ns| r1_slice.contains(&bucket_of(ns))))
+        .map(|w| format!("{} by {}", w.object, w.user))
+        .collect();
+    assert!(moved.is_empty(), "r-1's objects were written by others after its Lease was deleted: {moved:?}");
     let verdict = fleet.finish().await;
     println!(
         "sharding summary: deleted member lease (and a ghost Lease, never given buckets): {reconciles} reconciles, {} writes seen by the server, \
@@ -135,7 +159,7 @@ async fn a_deleted_assignment_and_a_lapse_of_every_replica_keep_epochs_growing()
     }
     fleet.converged("the initial creation").await;
     let configmaps = fleet.env.api::<ConfigMap>();
-    let assignment = "traffic-policy-operator-assignment";
+    let assignment = ASSIGNMENT_CONFIGMAP;
     let before = assignment_generation(&configmaps.get(assignment).await.unwrap());
     let (stop_churn, churner) = fleet.churn();
     configmaps.delete(assignment, &DeleteParams::default()).await.unwrap();
@@ -380,7 +404,7 @@ fn assignment_members(
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, watcher};
     let named = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
-    let config = watcher::Config::default().fields("metadata.name=traffic-policy-operator-assignment");
+    let config = watcher::Config::default().fields(&format!("metadata.name={ASSIGNMENT_CONFIGMAP}"));
     let events = watcher(Api::<ConfigMap>::namespaced(client, namespace), config).default_backoff().applied_objects();
     let seen = named.clone();
     let task = tokio::spawn(async move {
@@ -391,6 +415,11 @@ fn assignment_members(
         }
     });
     (task, named)
+}
+
+/// Whether assignment member `member` (an incarnation, `replica_nonce`) is of `replica`.
+fn is_replica(member: &str, replica: &str) -> bool {
+    member.split('_').next() == Some(replica)
 }
 
 async fn until_gone(api: &Api<ApplicationTrafficPolicy>, name: &str) {
@@ -412,4 +441,83 @@ impl Fleet {
     async fn env_api_configmap(&self, namespace: &str, name: &str) -> Option<ConfigMap> {
         Api::<ConfigMap>::namespaced(self.client(), namespace).get_opt(name).await.ok()?
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_is_not_ready_before_it_has_a_slice() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("ready", 4).await;
+    // The leader Lease is held by a process that never publishes an assignment, so r-0
+    // renews its member Lease but is given nothing.
+    let leases = fleet.env.api::<Lease>();
+    let absent_leader: Lease = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": LEADER_LEASE },
+        "spec": { "holderIdentity": "elsewhere_0", "leaseDurationSeconds": 3600,
+                  "renewTime": "2099-01-01T00:00:00.000000Z" }
+    }))
+    .unwrap();
+    leases.create(&PostParams::default(), &absent_leader).await.unwrap();
+    let mut replica = fleet.spawn("r-0", None).await;
+    let member = "traffic-policy-operator-member-r-0";
+    let renewals = std::sync::Mutex::new(BTreeSet::new());
+    eventually("r-0 renewed its member Lease five times, never Ready meanwhile", || async {
+        assert!(!replica.is_ready(), "r-0 became Ready with no assignment");
+        let renewed = leases.get_opt(member).await.ok()??.spec?.renew_time?;
+        let mut renewals = renewals.lock().unwrap();
+        renewals.insert(renewed.0);
+        (renewals.len() >= 5).then_some(())
+    })
+    .await;
+    let readyz = replica.get("/readyz").unwrap();
+    assert!(readyz.contains("waiting for") && readyz.contains("assignment"), "{readyz}");
+    let policies = Api::<ApplicationTrafficPolicy>::all(fleet.client());
+    let listed = policies.list(&ListParams::default().labels("scenario=ready")).await.unwrap();
+    let reconciled = listed.items.iter().filter(|p| p.status.is_some()).count();
+    assert_eq!(reconciled, 0, "policies were reconciled with no assignment");
+
+    // Once the leader Lease is free, r-0 leads, publishes, and is Ready once its slice is synced.
+    leases.delete(LEADER_LEASE, &DeleteParams::default()).await.unwrap();
+    replica.wait_ready().await;
+    fleet.replicas.insert("r-0".into(), replica);
+    fleet.converged("the leader Lease was freed").await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: not Ready and no policy reconciled over five member-Lease renewals without an assignment; \
+         then {} writes seen by the server, {} overlapping",
+        verdict.writes,
+        verdict.overlapping.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_follower_task_died_exits_and_its_slice_moves() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("livez", 6).await;
+    fleet.start("r-0").await;
+    fleet.lease_args.push("--test-follower-panics-after=25s".into());
+    fleet.start("r-1").await;
+    fleet.lease_args.clear();
+    fleet.converged("the initial creation").await;
+    fleet.balanced().await;
+    let (stop_churn, churner) = fleet.churn();
+    // r-1's follower task panics: the process must not live on, Ready, with its slice frozen.
+    let r1 = std::sync::Mutex::new(fleet.replicas.remove("r-1").unwrap());
+    let status =
+        eventually("r-1 exits after its follower task died", || async { r1.lock().unwrap().process.exited() }).await;
+    assert!(!status.success(), "r-1 exited with {status} after a critical task died");
+    let log = std::fs::read_to_string(&r1.lock().unwrap().process.log_path).unwrap();
+    assert!(log.contains("the follower task ended"), "r-1's log does not say why it stopped");
+    // Its slice moves to r-0, and the changes made meanwhile converge.
+    let shares = fleet.balanced().await;
+    assert_eq!(shares["r-0"].0, 1024.0);
+    stop_churn.store(true, Ordering::Relaxed);
+    churner.await.unwrap();
+    fleet.converged("r-1 exited").await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: a replica whose follower task died exited ({status}) and its slice moved: \
+         {} writes seen by the server, {} overlapping",
+        verdict.writes,
+        verdict.overlapping.len()
+    );
 }

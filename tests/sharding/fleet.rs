@@ -9,11 +9,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use controlplane::Grant;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
+use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
 
 use crate::audit;
 use crate::common::{Operator, TestEnv, eventually, operator_cluster_role};
@@ -144,12 +146,17 @@ impl Fleet {
             .collect()
     }
 
-    /// Every replica owns something and all 1024 buckets are owned.
+    /// Every replica owns something, all 1024 buckets are owned, and no handoff is pending in
+    /// the published assignment.
     pub async fn balanced(&self) -> BTreeMap<String, (f64, f64)> {
-        eventually("every replica owns a slice and every bucket is owned", || async {
+        let configmaps = self.env.api::<ConfigMap>();
+        eventually("every replica owns a slice, every bucket is owned, no handoff is pending", || async {
             let shares = self.shares();
             let owned: f64 = shares.values().map(|(b, _)| b).sum();
-            (shares.values().all(|(b, _)| *b > 0.0) && owned == 1024.0).then_some(shares)
+            let published = configmaps.get_opt(ASSIGNMENT_CONFIGMAP).await.ok()??;
+            let assignment = Assignment::decode(&published.data?).ok()?;
+            let settled = assignment.slots.iter().all(|s| matches!(s, Slot::Owned { .. }));
+            (shares.values().all(|(b, _)| *b > 0.0) && owned == 1024.0 && settled).then_some(shares)
         })
         .await
     }
@@ -191,10 +198,15 @@ impl Fleet {
         (stop, task)
     }
 
+    /// Our writes the API server received from this fleet's processes so far.
+    pub fn server_writes(&self) -> Vec<server::Write> {
+        let users: BTreeSet<String> = self.users.values().flatten().cloned().collect();
+        server::writes(&self.env.cp.audit_log_path(), &users)
+    }
+
     /// What the API server received from this fleet's processes, judged.
     pub fn verdict(&self) -> Verdict {
-        let users: BTreeSet<String> = self.users.values().flatten().cloned().collect();
-        server::judge(&server::writes(&self.env.cp.audit_log_path(), &users))
+        server::judge(&self.server_writes())
     }
 
     pub fn audit(&self) -> Vec<audit::Entry> {

@@ -28,6 +28,8 @@ pub struct Write {
     pub object: String,
     pub code: u16,
     pub epoch: Option<u64>,
+    /// For a rate-limit ConfigMap, the spec counter it carries: which spec change it applies.
+    pub rate: Option<u64>,
     pub fenced: bool,
 }
 
@@ -57,6 +59,7 @@ pub fn writes(audit_log: &Path, users: &BTreeSet<String>) -> Vec<Write> {
                 "status" => request["status"]["shardEpoch"].as_u64(),
                 _ => request["metadata"]["annotations"][FENCE].as_str().and_then(|v| v.parse().ok()),
             };
+            let rate = request["data"].as_object().and_then(|d| d.values().next()?.as_str()).and_then(rate_in);
             let code = e["responseStatus"]["code"].as_u64().unwrap_or(0) as u16;
             let message = e["responseStatus"]["message"].as_str().unwrap_or_default();
             Some(Write {
@@ -65,6 +68,7 @@ pub fn writes(audit_log: &Path, users: &BTreeSet<String>) -> Vec<Write> {
                 object,
                 code,
                 epoch,
+                rate,
                 fenced: message.contains("refused a write with shard epoch"),
             })
         })
@@ -88,6 +92,10 @@ pub fn judge(writes: &[Write]) -> Verdict {
     let mut verdict = Verdict { writes: writes.len(), ..Default::default() };
     let mut highest: BTreeMap<&str, u64> = BTreeMap::new();
     let mut writers: BTreeMap<(&str, u64), BTreeSet<&str>> = BTreeMap::new();
+    // Epoch-free, so it also judges code that writes no epochs: one spec change applied by
+    // two processes means both reconciled it, which a handoff never causes (a new owner
+    // skips a child that already holds what it would apply).
+    let mut applied: BTreeMap<(&str, u64), BTreeSet<&str>> = BTreeMap::new();
     for w in writes {
         if w.fenced {
             verdict.fenced += 1;
@@ -96,6 +104,13 @@ pub fn judge(writes: &[Write]) -> Verdict {
         }
         if !(200..300).contains(&w.code) {
             continue;
+        }
+        if let Some(rate) = w.rate {
+            let users = applied.entry((&w.object, rate)).or_default();
+            users.insert(&w.user);
+            if users.len() == 2 {
+                verdict.overlapping.push(format!("{} given spec change {rate} by both {users:?}", w.object));
+            }
         }
         let Some(epoch) = w.epoch else { continue };
         let top = highest.entry(&w.object).or_insert(epoch);
@@ -155,8 +170,12 @@ impl ForwardOnly {
 }
 
 pub fn rate_of(cm: &ConfigMap) -> Option<u64> {
-    let json = cm.data.as_ref()?.values().next()?;
-    let doc: serde_json::Value = serde_json::from_str(json).ok()?;
+    rate_in(cm.data.as_ref()?.values().next()?)
+}
+
+/// The spec counter in a rate-limit ConfigMap's document.
+fn rate_in(document: &str) -> Option<u64> {
+    let doc: serde_json::Value = serde_json::from_str(document).ok()?;
     doc["rateLimit"]["requestsPerSecond"].as_u64()
 }
 
@@ -165,7 +184,27 @@ mod tests {
     use super::*;
 
     fn w(at: &str, user: &str, epoch: u64, code: u16, fenced: bool) -> Write {
-        Write { at: at.into(), user: user.into(), object: "cm/ns/a".into(), code, epoch: Some(epoch), fenced }
+        Write {
+            at: at.into(),
+            user: user.into(),
+            object: "cm/ns/a".into(),
+            code,
+            epoch: Some(epoch),
+            rate: None,
+            fenced,
+        }
+    }
+
+    fn unfenced(at: &str, user: &str, rate: u64) -> Write {
+        Write {
+            at: at.into(),
+            user: user.into(),
+            object: "cm/ns/a".into(),
+            code: 200,
+            epoch: None,
+            rate: Some(rate),
+            fenced: false,
+        }
     }
 
     #[test]
@@ -178,5 +217,13 @@ mod tests {
         assert_eq!(judge(&late).overlapping.len(), 1, "a late write that was not fenced");
         let twins = [w("1", "a", 1, 200, false), w("2", "b", 1, 200, false)];
         assert_eq!(judge(&twins).overlapping.len(), 1, "two processes under one grant");
+    }
+
+    #[test]
+    fn without_epochs_one_spec_change_applied_by_two_processes_is_an_overlap() {
+        let handoff = [unfenced("1", "a", 7), unfenced("2", "a", 8), unfenced("3", "b", 9)];
+        assert!(judge(&handoff).overlapping.is_empty());
+        let both = [unfenced("1", "a", 7), unfenced("2", "b", 7)];
+        assert_eq!(judge(&both).overlapping.len(), 1);
     }
 }
