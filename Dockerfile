@@ -2,7 +2,9 @@
 # Build: docker build -t traffic-policy-operator:0.1.0 .   (see docs/operations.md)
 
 # --- build: a pinned Rust toolchain ---
-FROM rust:1.95-bookworm AS build
+# Base images are pinned by digest (tag kept for readers); docs/operations.md, "The image", says
+# how to refresh them.
+FROM rust:1.95-bookworm@sha256:6258907abe69656e41cd992e0b705cdcfabcbbe3db374f92ed2d47121282d4a1 AS build
 WORKDIR /src
 # Dependencies first, in their own layer: a change to src/ does not rebuild them.
 COPY Cargo.toml Cargo.lock rustfmt.toml ./
@@ -20,12 +22,12 @@ COPY crds crds
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked -p traffic-policy-operator
 
 # --- runtime: distroless, non-root ---
-FROM gcr.io/distroless/cc-debian12:nonroot
+FROM gcr.io/distroless/cc-debian12:nonroot@sha256:9dac0a79194e45a7da0158a9c6da57b217585af0786db3845d1f0ec1a0dd182f
 LABEL org.opencontainers.image.title="traffic-policy-operator" \
       org.opencontainers.image.description="Turns ApplicationTrafficPolicy objects into NetworkPolicies and gateway rate-limit ConfigMaps" \
       org.opencontainers.image.version="0.1.0" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /src/target/release/traffic-policy-operator /usr/local/bin/traffic-policy-operator
 USER 65532:65532
-EXPOSE 8080
+EXPOSE 8080 8081
 ENTRYPOINT ["/usr/local/bin/traffic-policy-operator"]

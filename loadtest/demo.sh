@@ -43,7 +43,7 @@ done
 head -1 "$state/controlplane.out"
 
 kubectl apply -f crds/ >/dev/null
-kubectl apply -f deploy/fencing/fencing.yaml >/dev/null
+kubectl apply -f deploy/components/fencing/fencing.yaml >/dev/null
 kubectl wait --for condition=established --timeout=60s crd/applicationtrafficpolicies.trafficpolicy.dev >/dev/null
 
 operator_ns=traffic-policy-operator
@@ -51,7 +51,7 @@ kubectl create namespace "$operator_ns" >/dev/null
 echo "[demo] starting 3 operator replicas (logs: $state/operator-N.log)..."
 for i in 0 1 2; do
   "$bin/traffic-policy-operator" --pod-name "traffic-policy-operator-$i" --namespace "$operator_ns" \
-    --admin-addr 127.0.0.1:0 --log-format text >"$state/operator-$i.log" 2>&1 &
+    --metrics-addr 127.0.0.1:0 --health-probe-addr 127.0.0.1:0 --log-format text >"$state/operator-$i.log" 2>&1 &
   pids+=($!)
 done
 

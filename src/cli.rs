@@ -52,9 +52,21 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_WORKERS", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub workers: u16,
 
-    /// Address of the admin server (/livez, /readyz, /metrics).
-    #[arg(long, env = "TPO_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
-    pub admin_addr: SocketAddr,
+    /// Address of the metrics server (/metrics).
+    #[arg(long, env = "TPO_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: SocketAddr,
+
+    /// Serve /metrics over HTTPS with this certificate (PEM; with --metrics-tls-key-file).
+    #[arg(long, env = "TPO_METRICS_TLS_CERT_FILE", requires = "metrics_tls_key_file")]
+    pub metrics_tls_cert_file: Option<PathBuf>,
+
+    /// The private key (PEM) of --metrics-tls-cert-file.
+    #[arg(long, env = "TPO_METRICS_TLS_KEY_FILE", requires = "metrics_tls_cert_file")]
+    pub metrics_tls_key_file: Option<PathBuf>,
+
+    /// Address of the health-probe server (/livez, /readyz).
+    #[arg(long, env = "TPO_HEALTH_PROBE_ADDR", default_value = "0.0.0.0:8081")]
+    pub health_probe_addr: SocketAddr,
 
     /// Log format.
     #[arg(long, env = "TPO_LOG_FORMAT", value_enum, default_value = "json")]

@@ -26,9 +26,10 @@ pub struct Clients {
 
 impl Clients {
     pub fn new(config: kube::Config, qps: NonZeroU32, burst: NonZeroU32) -> anyhow::Result<Self> {
-        let coordination = Client::try_from(config.clone())?;
+        let coordination = ClientBuilder::try_from(config.clone())?.with_layer(&RequestMetrics).build();
         let limiter = Arc::new(RateLimiter::direct(Quota::per_second(qps).allow_burst(burst)));
-        let work = ClientBuilder::try_from(config)?.with_layer(&TokenBucket(limiter)).build();
+        let work =
+            ClientBuilder::try_from(config)?.with_layer(&RequestMetrics).with_layer(&TokenBucket(limiter)).build();
         Ok(Self { work, coordination })
     }
 }
@@ -85,6 +86,51 @@ impl<S: Service<R>, R> Service<R> for Limited<S> {
     fn call(&mut self, request: R) -> S::Future {
         self.has_token = false;
         self.inner.call(request)
+    }
+}
+
+/// A tower layer that counts every request by method and status code and times it until
+/// the response headers arrive, as client-go's `rest_client_requests_total` and
+/// `rest_client_request_duration_seconds` do.
+#[derive(Clone)]
+struct RequestMetrics;
+
+impl<S> Layer<S> for RequestMetrics {
+    type Service = Measured<S>;
+
+    fn layer(&self, inner: S) -> Measured<S> {
+        Measured { inner }
+    }
+}
+
+#[derive(Clone)]
+pub struct Measured<S> {
+    inner: S,
+}
+
+impl<S, B, R> Service<http::Request<B>> for Measured<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let method = request.method().clone();
+        let started = std::time::Instant::now();
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await;
+            let status = response.as_ref().ok().map(|r| r.status().as_u16());
+            crate::telemetry::metrics::api_request(method.as_str(), status, started.elapsed());
+            response
+        })
     }
 }
 

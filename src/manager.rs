@@ -18,6 +18,7 @@ use kube::runtime::reflector;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::ApplicationTrafficPolicy;
 use crate::cli::RunArgs;
 use crate::client::Clients;
 use crate::coordination::follower::{AssignmentView, Follower};
@@ -44,7 +45,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let shard = args.shard_config().map_err(anyhow::Error::msg)?;
     logging::init(args.log_format, &args.log_level)?;
     let prometheus = metrics::install()?;
-    let admin_listener = admin::bind(args.admin_addr).await?;
+    let tls = args
+        .metrics_tls_cert_file
+        .as_deref()
+        .zip(args.metrics_tls_key_file.as_deref())
+        .map(|(cert, key)| admin::TlsFiles { cert, key });
+    let admin_listeners = admin::Listeners::bind(args.health_probe_addr, args.metrics_addr, tls).await?;
     let audit = match &args.audit_log {
         Some(path) => Audit::open(path, &shard.identity, &shard.incarnation)?,
         None => Audit::default(),
@@ -106,6 +112,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     // The controller: watches of our slice only, filtered by the API server.
     let (store, writer) = reflector::store();
+    tokio::spawn(report_policies(store.clone()));
     let policies = watch::retargetable(api(&client, &args), None, selector.clone());
     let primary = watch::primary(policies, crate::reconcile::trim_for_cache, writer);
     let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
@@ -152,7 +159,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     critical.spawn({
         let (health, stop) = (health.clone(), admin_shutdown.clone());
         async move {
-            if let Err(error) = admin::serve(admin_listener, health, prometheus, stop).await {
+            if let Err(error) = admin::serve(admin_listeners, health, prometheus, stop).await {
                 tracing::error!(%error, "admin server failed");
             }
             "the admin server"
@@ -247,6 +254,17 @@ where
 /// A client from `kubeconfig`, or from the in-cluster config or default kubeconfig.
 pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
     Ok(Client::try_from(crate::client::config(kubeconfig).await?)?)
+}
+
+/// Keeps `traffic_policy_policies` (our slice by Ready status and reason) current.
+async fn report_policies(store: reflector::Store<ApplicationTrafficPolicy>) {
+    use crate::reconcile::status::{READY_STATES, ready_tally};
+    let mut tick = tokio::time::interval(Duration::from_secs(10));
+    loop {
+        tick.tick().await;
+        let policies = store.state();
+        metrics::set_policies(&READY_STATES, &ready_tally(policies.iter().map(|p| p.as_ref())));
+    }
 }
 
 /// Test fault: `work`, or a panic once `after` has passed if it has not finished by then.

@@ -54,7 +54,7 @@ async fn writes(client: &Client) -> anyhow::Result<Writes> {
 }
 
 fn replica_metric(replica: &Replica, name: &str) -> f64 {
-    sample::metric(&controlplane::http_get_plain(replica.admin_port, "/metrics").unwrap_or_default(), name)
+    sample::metric(&controlplane::http_get_plain(replica.metrics_port, "/metrics").unwrap_or_default(), name)
 }
 
 fn reconciles(replicas: &[Replica]) -> f64 {
@@ -98,7 +98,7 @@ pub async fn measure(
         anyhow::ensure!(status.is_some_and(|s| s.success()), "{name} did not exit 0 on SIGTERM: {status:?}");
         replicas[i] = start_replica(cp, args, &name).await?;
         pids.lock().unwrap()[i].1 = replicas[i].process.pid();
-        pids.lock().unwrap()[i].2 = replicas[i].admin_port;
+        pids.lock().unwrap()[i].2 = replicas[i].metrics_port;
     }
     // Settled: every policy is cached by some replica, each has been reconciled since, and no queue holds work.
     until("the restarted replicas cache every policy", timeout, || {

@@ -86,7 +86,7 @@ async fn write_round(client: &Client, writes: usize, epoch: &mut u64) -> anyhow:
 }
 
 fn fencing_objects() -> anyhow::Result<Vec<DynamicObject>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/fencing/fencing.yaml");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/components/fencing/fencing.yaml");
     let text = std::fs::read_to_string(&path)?;
     serde_yaml::Deserializer::from_str(&text).map(|d| Ok(DynamicObject::deserialize(d)?)).collect()
 }

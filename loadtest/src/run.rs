@@ -129,13 +129,13 @@ impl Tracker {
     }
 }
 
-/// (replica name, PID, admin port) of each running replica, for the sampler.
+/// (replica name, PID, metrics port) of each running replica, for the sampler.
 pub type Watched = Arc<Mutex<Vec<(String, u32, u16)>>>;
 
 pub struct Replica {
     pub name: String,
     pub process: controlplane::process::Process,
-    pub admin_port: u16,
+    pub metrics_port: u16,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
@@ -178,7 +178,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     };
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let pids: Watched =
-        Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.admin_port)).collect()));
+        Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.metrics_port)).collect()));
     let sampler = tokio::spawn(sample_loop(pids.clone(), samples.clone(), started));
 
     let progress = indicatif::ProgressBar::new(args.objects as u64);
@@ -236,7 +236,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
             .iter()
             .map(|r| {
                 sample::metric(
-                    &controlplane::http_get_plain(r.admin_port, "/metrics").unwrap_or_default(),
+                    &controlplane::http_get_plain(r.metrics_port, "/metrics").unwrap_or_default(),
                     "traffic_policy_cached_objects",
                 )
             })
@@ -321,32 +321,34 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
         "no operator binary at {} (build it, or pass --operator-binary)",
         binary.display()
     );
-    let admin_port = controlplane::free_port()?;
+    let metrics_port = controlplane::free_port()?;
+    let probe_port = controlplane::free_port()?;
     let mut process_args = vec![
         format!("--kubeconfig={}", cp.kubeconfig_path().display()),
         "--namespace=tpo-system".to_string(),
         format!("--pod-name={name}"),
-        format!("--admin-addr=127.0.0.1:{admin_port}"),
+        format!("--metrics-addr=127.0.0.1:{metrics_port}"),
+        format!("--health-probe-addr=127.0.0.1:{probe_port}"),
         format!("--workers={}", args.workers),
         "--log-level=warn".to_string(),
     ];
     if let Some(seconds) = args.resync_seconds {
         process_args.push(format!("--resync-period={seconds}s"));
     }
-    let log = cp.dir().join(format!("{name}-{admin_port}.log"));
+    let log = cp.dir().join(format!("{name}-{metrics_port}.log"));
     let mut process = controlplane::process::Process::start("traffic-policy-operator", &binary, &process_args, &log)?;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !controlplane::http_get_plain(admin_port, "/readyz").is_ok_and(|r| r.contains(" 200 ")) {
+    while !controlplane::http_get_plain(probe_port, "/readyz").is_ok_and(|r| r.contains(" 200 ")) {
         if let Some(status) = process.exited() {
             return Err(process.failure(&format!("exited at start ({status})")));
         }
         anyhow::ensure!(Instant::now() < deadline, "{name} not ready within 60 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Ok(Replica { name: name.to_string(), process, admin_port })
+    Ok(Replica { name: name.to_string(), process, metrics_port })
 }
 
-/// A peer controller: one process, with only a kubeconfig. It has no admin port.
+/// A peer controller: one process, with only a kubeconfig. It has no metrics port.
 fn start_peer(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<Replica> {
     let (name, binary) = match args.mode {
         Mode::KubeRs => ("kube-rs-peer", std::env::current_exe()?.with_file_name("kube-rs-peer")),
@@ -356,7 +358,7 @@ fn start_peer(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<Re
     let log = cp.dir().join(format!("{name}.log"));
     let args = vec!["--kubeconfig".to_string(), cp.kubeconfig_path().display().to_string()];
     let process = controlplane::process::Process::start(name, &binary, &args, &log)?;
-    Ok(Replica { name: name.into(), process, admin_port: 0 })
+    Ok(Replica { name: name.into(), process, metrics_port: 0 })
 }
 
 /// Builds the controller-runtime peer once (Go, from the module proxy) into target/loadtest.
@@ -516,7 +518,7 @@ async fn wait_converged(
             let name = replicas[0].name.clone();
             replicas[0] = start_replica(cp, args, &name).await?;
             pids.lock().unwrap()[0].1 = replicas[0].process.pid();
-            pids.lock().unwrap()[0].2 = replicas[0].admin_port;
+            pids.lock().unwrap()[0].2 = replicas[0].metrics_port;
         }
         anyhow::ensure!(Instant::now() < deadline, "not converged after {} s", args.timeout_seconds);
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -158,7 +158,10 @@ impl Follower {
                         tracing::warn!("the assignment ConfigMap was deleted; the leader publishes it again");
                         self.view.gone();
                     }
-                    Some(Err(error)) => tracing::warn!(%error, "assignment watch failed; retrying"),
+                    Some(Err(error)) => {
+                        crate::telemetry::metrics::count_watch_error("ConfigMap");
+                        tracing::warn!(%error, "assignment watch failed; retrying")
+                    }
                     _ => {}
                 },
                 _ = view.changed() => {}

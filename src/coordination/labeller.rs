@@ -16,8 +16,10 @@ use kube::api::{Api, PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
+use tokio_util::time::DelayQueue;
 
 use crate::api::ApplicationTrafficPolicy;
+use crate::runtime::backoff::Backoff;
 use crate::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
 use crate::telemetry::metrics as m;
 
@@ -39,7 +41,10 @@ pub async fn label_unlabeled_policies(client: Client, namespace: Option<String>)
             Ok(watcher::Event::InitApply(p)) => pending.send_modify(|q| q.push(key(&p), Lane::Backlog)),
             Ok(watcher::Event::Delete(p)) => pending.send_modify(|q| q.remove(&key(&p))),
             Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
-            Err(error) => tracing::warn!(%error, "unlabelled-policy watch failed; retrying"),
+            Err(error) => {
+                m::count_watch_error("ApplicationTrafficPolicy");
+                tracing::warn!(%error, "unlabelled-policy watch failed; retrying")
+            }
         }
         std::future::ready(())
     });
@@ -56,28 +61,35 @@ fn key(policy: &PartialObjectMeta<ApplicationTrafficPolicy>) -> Key {
 /// Takes batches of pending keys, fresh ones first, as many as the pacer allows.
 async fn label_pending(client: &Client, pending: &watch::Sender<Pending>) {
     let mut pacer = Pacer::default();
+    let mut retries = Retries::default();
     let mut changed = pending.subscribe();
     loop {
-        let _ = changed.wait_for(|q| !q.is_empty()).await;
+        tokio::select! {
+            _ = changed.wait_for(|q| !q.is_empty()) => {}
+            Some(key) = retries.next_due() => {
+                pending.send_modify(|q| q.push(key, Lane::Backlog));
+                continue;
+            }
+        }
         let batch = {
             let mut batch = Vec::new();
             pending.send_modify(|q| batch = q.take(pacer.in_flight()));
             batch
         };
-        m::set_unlabelled(pending.borrow().len() + batch.len());
+        m::set_unlabelled(pending.borrow().len() + batch.len() + retries.len());
         let results = join_all(batch.iter().map(|key| label(client, key))).await;
         let mut retry_after = None;
         for (key, result) in batch.into_iter().zip(results) {
             match result {
-                Labelled::Done => {}
+                Labelled::Done => retries.forget(&key),
                 Labelled::Throttled(after) => {
                     retry_after = retry_after.max(Some(after));
                     pending.send_modify(|q| q.push(key, Lane::Fresh));
                 }
-                Labelled::Failed => pending.send_modify(|q| q.push(key, Lane::Backlog)),
+                Labelled::Failed => retries.later(key),
             }
         }
-        m::set_unlabelled(pending.borrow().len());
+        m::set_unlabelled(pending.borrow().len() + retries.len());
         if let Some(pause) = pacer.after_batch(retry_after) {
             tokio::time::sleep(pause).await;
         }
@@ -107,6 +119,7 @@ async fn label(client: &Client, (namespace, name): &Key) -> Labelled {
             Labelled::Throttled(Duration::from_secs(u64::from(seconds)))
         }
         Err(error) => {
+            m::count_bucket_label_error();
             tracing::warn!(%error, policy = %format!("{namespace}/{name}"), "labelling failed; retrying");
             Labelled::Failed
         }
@@ -170,6 +183,40 @@ impl Pending {
 
     fn is_empty(&self) -> bool {
         self.queued.is_empty()
+    }
+}
+
+/// Keys whose labelling failed for a reason other than throttling (RBAC, a webhook): each is
+/// tried again after its own exponential backoff, so a failure that lasts never turns into
+/// a hot loop of patches.
+#[derive(Default)]
+struct Retries {
+    due: DelayQueue<Key>,
+    failures: HashMap<Key, u32>,
+    backoff: Backoff,
+}
+
+impl Retries {
+    fn later(&mut self, key: Key) {
+        let failures = self.failures.entry(key.clone()).or_insert(0);
+        *failures += 1;
+        self.due.insert(key, self.backoff.delay(*failures));
+    }
+
+    fn forget(&mut self, key: &Key) {
+        self.failures.remove(key);
+    }
+
+    /// The next key whose backoff has passed; pending forever while none waits.
+    async fn next_due(&mut self) -> Option<Key> {
+        match std::future::poll_fn(|cx| self.due.poll_expired(cx)).await {
+            Some(expired) => Some(expired.into_inner()),
+            None => std::future::pending().await,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.due.len()
     }
 }
 

@@ -51,7 +51,10 @@ impl Members {
                     health.ready("members");
                 }
                 Ok(watcher::Event::Init) => {}
-                Err(error) => tracing::warn!(%error, "member lease watch failed; retrying"),
+                Err(error) => {
+                    crate::telemetry::metrics::count_watch_error("Lease");
+                    tracing::warn!(%error, "member lease watch failed; retrying")
+                }
             }
             self.changed.send_modify(|v| *v = v.wrapping_add(1));
         }

@@ -36,7 +36,7 @@ use status::Outcome;
 /// The field manager of every write we make.
 pub const FIELD_MANAGER: &str = "traffic-policy-operator";
 
-/// What the fencing ValidatingAdmissionPolicy (deploy/fencing/) says when it refuses a write.
+/// What the fencing ValidatingAdmissionPolicy (deploy/components/fencing/) says when it refuses a write.
 pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 
 /// Drops what the reconcile never reads before a policy is cached (the cache holds one per

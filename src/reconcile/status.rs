@@ -3,7 +3,7 @@
 //! `lastTransitionTime` moves only when a condition's status changes, so a status that
 //! says the same thing compares equal and is not written again.
 
-use crate::api::{ApplicationTrafficPolicyStatus, Condition, ConditionStatus};
+use crate::api::{ApplicationTrafficPolicy, ApplicationTrafficPolicyStatus, Condition, ConditionStatus};
 
 pub const READY: &str = "Ready";
 
@@ -28,6 +28,38 @@ impl Outcome {
             Self::ApplyFailed(message) => (ConditionStatus::False, "ApplyFailed", message.clone()),
         }
     }
+}
+
+/// The `(ready, reason)` pairs `traffic_policy_policies` reports: a fixed set, so the metric
+/// stays bounded whatever a status says. A policy without a Ready condition for its current
+/// generation is `("Unknown", "Pending")`.
+pub const READY_STATES: [(&str, &str); 5] = [
+    ("True", "Applied"),
+    ("False", "InvalidSpec"),
+    ("False", "ApplyFailed"),
+    ("Unknown", "Pending"),
+    ("Unknown", "Other"),
+];
+
+/// How many of `policies` are in each of [`READY_STATES`], in that order.
+pub fn ready_tally<'a>(policies: impl IntoIterator<Item = &'a ApplicationTrafficPolicy>) -> [usize; 5] {
+    let mut tally = [0; READY_STATES.len()];
+    for policy in policies {
+        let ready = policy.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
+        let state = match ready {
+            Some(c) if c.observed_generation == policy.metadata.generation => {
+                let status = match c.status {
+                    ConditionStatus::True => "True",
+                    ConditionStatus::False => "False",
+                    ConditionStatus::Unknown => "Unknown",
+                };
+                READY_STATES.iter().position(|&(s, r)| s == status && r == c.reason).unwrap_or(4)
+            }
+            _ => 3,
+        };
+        tally[state] += 1;
+    }
+    tally
 }
 
 /// The status to hold after `outcome` for `generation`, given the current one.

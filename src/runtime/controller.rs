@@ -32,7 +32,7 @@ use tracing::{Instrument, field};
 use super::backoff::Backoff;
 use super::child_versions::ChildVersions;
 use super::key::ObjectKey;
-use super::predicate::GenerationPredicate;
+use super::predicate::{GenerationPredicate, Sight};
 use super::queue::{Priority, WorkQueue};
 use super::watch::{ChildEvent, Selector};
 use crate::error::{Error, Result};
@@ -106,7 +106,7 @@ where
         let child_kinds = children.len();
         let this = Arc::new(self);
         let mut background = vec![
-            tokio::spawn(this.clone().feed_primary(primary, reconciler.clone())),
+            tokio::spawn(this.clone().feed_primary(primary, selector.clone(), reconciler.clone())),
             tokio::spawn(this.clone().update_gauges()),
         ];
         for stream in children {
@@ -141,37 +141,53 @@ where
     async fn feed_primary<R: Reconciler<K>>(
         self: Arc<Self>,
         primary: impl Stream<Item = watcher::Event<K>> + Send,
+        selector: Selector,
         reconciler: Arc<R>,
     ) {
         let mut predicate = GenerationPredicate::default();
-        let mut synced_once = false;
+        // The selector of the last completed list, and of the list under way.
+        let mut listed_selector: Option<Option<String>> = None;
+        let mut listing_selector: Option<String> = None;
         // The reflector publishes a relist to the cache only at InitDone, so its keys wait
         // here until then: a worker must find the object it is handed.
-        let mut relisted: Vec<ObjectKey> = Vec::new();
+        let mut relisted: Vec<(ObjectKey, Sight)> = Vec::new();
         let mut primary = std::pin::pin!(primary);
         while let Some(event) = primary.next().await {
             match event {
                 // Keys of an interrupted list stay in `relisted`: the predicate has recorded
                 // them, so the next list would not report them again.
-                watcher::Event::Init => predicate.begin_relist(),
+                watcher::Event::Init => {
+                    predicate.begin_relist();
+                    // A list begins after a retarget has opened its watch, so this is the
+                    // selector it lists (a later change interrupts it and lists again).
+                    listing_selector = selector.borrow().clone();
+                }
                 watcher::Event::InitApply(object) => {
                     let key = ObjectKey::of(&object);
-                    if predicate.changed(&key, object.meta().uid.as_deref(), object.meta().generation) {
-                        relisted.push(key);
+                    match predicate.observe(&key, object.meta().uid.as_deref(), object.meta().generation) {
+                        Sight::Same => {}
+                        sight => relisted.push((key, sight)),
                     }
                 }
                 watcher::Event::InitDone => {
-                    // Work from the first list waits behind real changes; after that, what
-                    // a relist finds changed is a real change.
-                    let priority = if synced_once { Priority::High } else { Priority::Low };
-                    for key in relisted.drain(..) {
-                        self.queue.add(key, priority);
+                    // Real changes go first. The first list, and what a new slice brings
+                    // (buckets gained in a handoff), is backlog: it waits behind them, so a
+                    // restart or a handoff pages no one and delays no edit. A relist of the
+                    // same slice (after a watch gap) finds only real changes: edits, and
+                    // objects created meanwhile.
+                    let list = match &listed_selector {
+                        None => List::First,
+                        Some(listed) if *listed != listing_selector => List::NewSlice,
+                        Some(_) => List::SameSlice,
+                    };
+                    for (key, sight) in relisted.drain(..) {
+                        self.queue.add(key, list.priority_of(sight));
                     }
+                    listed_selector = Some(listing_selector.clone());
                     for gone in predicate.end_relist() {
                         reconciler.forget(&gone);
                         self.queue.add(gone, Priority::Low);
                     }
-                    synced_once = true;
                     self.health.ready(self.settings.name);
                     metrics::set_cache_synced(self.settings.name, true);
                 }
@@ -297,6 +313,7 @@ where
                 let next = if error.keeps_resync() { jittered(self.settings.resync) } else { NOT_OURS_RETRY };
                 self.queue.add_after(key.clone(), next, Priority::Low);
                 self.metrics.reconciled(ReconcileResult::Error, took, Some(error.kind()));
+                self.metrics.terminal_error();
                 span.record("result", error.kind());
                 tracing::info!(%error, "not retrying until the spec changes");
             }
@@ -306,6 +323,28 @@ where
                 span.record("result", error.kind());
                 tracing::warn!(%error, ?retry_in, "reconcile failed; retrying with backoff");
             }
+        }
+    }
+}
+
+/// Which list an object came in, for its queue lane.
+#[derive(Clone, Copy, Debug)]
+enum List {
+    /// The first list since the start.
+    First,
+    /// A list for another selector than the last one: buckets gained or lost.
+    NewSlice,
+    /// A list of the same selector again, after a watch gap.
+    SameSlice,
+}
+
+impl List {
+    /// Backlog (the first list, and objects a new slice brings) goes low; a new generation,
+    /// or an object created during a watch gap, goes high.
+    fn priority_of(self, sight: Sight) -> Priority {
+        match (self, sight) {
+            (List::First, _) | (List::NewSlice, Sight::New) => Priority::Low,
+            _ => Priority::High,
         }
     }
 }
@@ -345,6 +384,21 @@ mod tests {
             Ok(Action::Done)
         }
         fn forget(&self, _: &ObjectKey) {}
+    }
+
+    #[test]
+    fn backlog_goes_low_and_changes_go_high() {
+        use Priority::{High, Low};
+        for (list, sight, lane) in [
+            (List::First, Sight::New, Low),
+            (List::First, Sight::Changed, Low),
+            (List::NewSlice, Sight::New, Low),
+            (List::NewSlice, Sight::Changed, High),
+            (List::SameSlice, Sight::New, High),
+            (List::SameSlice, Sight::Changed, High),
+        ] {
+            assert_eq!(list.priority_of(sight), lane, "{list:?}, {sight:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -13,7 +13,7 @@ use super::key::ObjectKey;
 use crate::error::{Error, Result};
 
 /// On every object we write: the writer's fencing token. The fencing policy in
-/// deploy/fencing/ refuses an update whose token is lower than the stored one.
+/// deploy/components/fencing/ refuses an update whose token is lower than the stored one.
 pub const FENCE_ANNOTATION: &str = "trafficpolicy.dev/shard-epoch";
 
 pub trait WriteGate: Send + Sync {

@@ -18,6 +18,17 @@ struct Seen {
     generation: Option<i64>,
 }
 
+/// What an event shows about an object, against what was seen before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sight {
+    /// Nothing worth a reconcile.
+    Same,
+    /// Not seen before (by name, or by uid under a known name).
+    New,
+    /// A new generation of a known object.
+    Changed,
+}
+
 #[derive(Default)]
 pub struct GenerationPredicate {
     seen: HashMap<ObjectKey, Seen>,
@@ -28,19 +39,25 @@ impl GenerationPredicate {
     /// Records `uid` and `generation` for `key`; true when the object is new (by name or
     /// by uid) or its generation changed.
     pub fn changed(&mut self, key: &ObjectKey, uid: Option<&str>, generation: Option<i64>) -> bool {
+        self.observe(key, uid, generation) != Sight::Same
+    }
+
+    /// Records `uid` and `generation` for `key`, and says how they differ from before.
+    pub fn observe(&mut self, key: &ObjectKey, uid: Option<&str>, generation: Option<i64>) -> Sight {
         if let Some(relisted) = &mut self.relisted {
             relisted.insert(key.clone());
         }
         let now = Seen { uid: uid.map(str::to_string), generation };
         match self.seen.get_mut(key) {
-            Some(seen) if *seen == now => false,
+            Some(seen) if *seen == now => Sight::Same,
             Some(seen) => {
+                let sight = if seen.uid == now.uid { Sight::Changed } else { Sight::New };
                 *seen = now;
-                true
+                sight
             }
             None => {
                 self.seen.insert(key.clone(), now);
-                true
+                Sight::New
             }
         }
     }
@@ -86,6 +103,16 @@ mod tests {
         assert!(p.changed(&k, Some("u1"), Some(2)), "spec change");
         p.forget(&k);
         assert!(p.changed(&k, Some("u1"), Some(2)), "seen again after a delete");
+    }
+
+    #[test]
+    fn tells_a_new_object_from_a_new_generation() {
+        let mut p = GenerationPredicate::default();
+        let k = ObjectKey::new("ns", "a");
+        assert_eq!(p.observe(&k, Some("u1"), Some(1)), Sight::New);
+        assert_eq!(p.observe(&k, Some("u1"), Some(1)), Sight::Same);
+        assert_eq!(p.observe(&k, Some("u1"), Some(2)), Sight::Changed);
+        assert_eq!(p.observe(&k, Some("u2"), Some(1)), Sight::New, "deleted and created again");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::backoff::Backoff;
-use crate::telemetry::metrics::QueueMetrics;
+use crate::telemetry::metrics::{QueueDepth, QueueMetrics};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Priority {
@@ -40,6 +40,8 @@ struct State<K> {
     /// Keys waiting in `high` or `low`, with their current priority and when they were added.
     /// A deque entry whose priority differs from this record is stale and skipped.
     queued: HashMap<K, (Priority, Instant)>,
+    /// How many of `queued` are in each lane.
+    depth: QueueDepth,
     /// Keys handed to a worker, with the time they were handed out.
     processing: HashMap<K, Instant>,
     /// Adds that arrived while the key was processing.
@@ -59,6 +61,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
                 high: VecDeque::new(),
                 low: VecDeque::new(),
                 queued: HashMap::new(),
+                depth: QueueDepth::default(),
                 processing: HashMap::new(),
                 dirty: HashMap::new(),
                 delayed: BinaryHeap::new(),
@@ -133,9 +136,10 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
                 }
                 self.promote_due(&mut state);
                 if let Some(key) = Self::pop(&mut state) {
-                    let (_, added) = state.queued.remove(&key).expect("popped keys are queued");
+                    let (priority, added) = state.queued.remove(&key).expect("popped keys are queued");
+                    *state.depth.lane(priority == Priority::High) -= 1;
                     state.processing.insert(key.clone(), Instant::now());
-                    self.metrics.handed_out(added.elapsed(), state.queued.len());
+                    self.metrics.handed_out(added.elapsed(), state.depth);
                     if !state.queued.is_empty() {
                         // Let another idle worker look too.
                         self.notify.notify_one();
@@ -194,7 +198,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         let state = self.lock();
         let now = Instant::now();
         let running: Vec<Duration> = state.processing.values().map(|started| now - *started).collect();
-        self.metrics.set_running(&running, state.queued.len());
+        self.metrics.set_running(&running, state.depth);
         let oldest = state.queued.values().map(|(_, added)| now - *added).max().unwrap_or_default();
         self.metrics.set_oldest_item_age(oldest);
     }
@@ -209,17 +213,21 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         match state.queued.get_mut(&key) {
             Some((queued_priority, _)) if *queued_priority >= priority => false,
             Some((queued_priority, _)) => {
+                *state.depth.lane(*queued_priority == Priority::High) -= 1;
                 *queued_priority = priority;
+                *state.depth.lane(priority == Priority::High) += 1;
                 state.high.push_back(key);
+                self.metrics.set_depth(state.depth);
                 true
             }
             None => {
                 state.queued.insert(key.clone(), (priority, Instant::now()));
+                *state.depth.lane(priority == Priority::High) += 1;
                 match priority {
                     Priority::High => state.high.push_back(key),
                     Priority::Low => state.low.push_back(key),
                 }
-                self.metrics.added(state.queued.len());
+                self.metrics.added(state.depth);
                 true
             }
         }

@@ -19,6 +19,7 @@ use serde::de::DeserializeOwned;
 
 use super::child_versions::stamped_content;
 use super::key::ObjectKey;
+use crate::telemetry::metrics;
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
@@ -108,7 +109,14 @@ where
     let events = events.map(|(_, event)| event);
     reflector::reflector(writer, events.modify(trim)).filter_map(move |event| {
         let kind = kind.clone();
-        async move { event.map_err(|error| tracing::warn!(%kind, %error, "watch failed; retrying with backoff")).ok() }
+        async move {
+            event
+                .map_err(|error| {
+                    metrics::count_watch_error(&kind);
+                    tracing::warn!(%kind, %error, "watch failed; retrying with backoff")
+                })
+                .ok()
+        }
     })
 }
 
@@ -153,6 +161,7 @@ where
             Ok(watcher::Event::InitDone) => return Some(ChildEvent::Listed { kind, selector: (*selector).clone() }),
             Ok(watcher::Event::Init) => return Some(ChildEvent::Listing { kind }),
             Err(error) => {
+                metrics::count_watch_error(kind);
                 tracing::warn!(kind, %error, "child watch failed; retrying with backoff");
                 return None;
             }

@@ -1,4 +1,7 @@
-//! The admin HTTP server: `/livez`, `/readyz` and `/metrics` on one small listener.
+//! The admin HTTP servers: `/livez` and `/readyz` on the health-probe address, `/metrics`
+//! on the metrics address (plain HTTP, or HTTPS when given a certificate), as kubebuilder's
+//! `--health-probe-bind-address` and `--metrics-bind-address` split them: a NetworkPolicy
+//! or a TLS requirement for scrapers then leaves the kubelet's probes alone.
 //!
 //! Readiness is built from parts: each component that must have done its first real work
 //! (synced a watch, applied an assignment) is a named gate that it opens. `/readyz` is 200
@@ -7,13 +10,16 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+use axum_server::tls_rustls::RustlsConfig;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -73,43 +79,97 @@ impl Health {
     }
 }
 
-#[derive(Clone)]
-struct AdminState {
-    health: Arc<Health>,
-    metrics: PrometheusHandle,
+/// Where the admin servers listen, bound early so that a taken address fails the start
+/// with a clear error.
+pub struct Listeners {
+    probes: tokio::net::TcpListener,
+    metrics: tokio::net::TcpListener,
+    metrics_tls: Option<RustlsConfig>,
 }
 
-/// Binds early, so that a taken address fails the start with a clear error.
-pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("admin server: cannot listen on {addr}: {e}"))
+/// A certificate and key (PEM files) to serve `/metrics` over HTTPS with.
+pub struct TlsFiles<'a> {
+    pub cert: &'a Path,
+    pub key: &'a Path,
 }
 
-/// Serves until `shutdown` is cancelled.
+impl Listeners {
+    pub async fn bind(probes: SocketAddr, metrics: SocketAddr, tls: Option<TlsFiles<'_>>) -> anyhow::Result<Self> {
+        let metrics_tls = match tls {
+            Some(files) => {
+                // kube's client brings rustls with ring; the server uses the same provider.
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                let config = RustlsConfig::from_pem_file(files.cert, files.key).await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "metrics TLS: cannot load {} and {}: {e}",
+                        files.cert.display(),
+                        files.key.display()
+                    )
+                })?;
+                Some(config)
+            }
+            None => None,
+        };
+        Ok(Self { probes: bind(probes, "health-probe").await?, metrics: bind(metrics, "metrics").await?, metrics_tls })
+    }
+}
+
+async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("{what} server: cannot listen on {addr}: {e}"))
+}
+
+/// Serves probes and metrics until `shutdown` is cancelled; an error if either server fails.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listeners: Listeners,
     health: Arc<Health>,
     metrics: PrometheusHandle,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let app = Router::new()
-        .route("/livez", get(livez))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(|State(s): State<AdminState>| async move { s.metrics.render() }))
-        .with_state(AdminState { health, metrics });
-    tracing::info!(addr = %listener.local_addr()?, "admin server listening");
-    axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await?;
+    let probes = Router::new().route("/livez", get(livez)).route("/readyz", get(readyz)).with_state(health);
+    let metrics = Router::new().route("/metrics", get(|| async move { super::metrics::render(&metrics) }));
+    tracing::info!(addr = %listeners.probes.local_addr()?, "health-probe server listening");
+    let probes = axum::serve(listeners.probes, probes).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let metrics_addr = listeners.metrics.local_addr()?;
+    let metrics = async move {
+        match listeners.metrics_tls {
+            Some(tls) => {
+                tracing::info!(addr = %metrics_addr, "metrics server listening (HTTPS)");
+                let handle = axum_server::Handle::new();
+                tokio::spawn({
+                    let handle = handle.clone();
+                    async move {
+                        shutdown.cancelled().await;
+                        handle.graceful_shutdown(Some(Duration::from_secs(1)));
+                    }
+                });
+                axum_server::from_tcp_rustls(listeners.metrics.into_std()?, tls)?
+                    .handle(handle)
+                    .serve(metrics.into_make_service())
+                    .await
+            }
+            None => {
+                tracing::info!(addr = %metrics_addr, "metrics server listening");
+                axum::serve(listeners.metrics, metrics).with_graceful_shutdown(shutdown.cancelled_owned()).await
+            }
+        }
+    };
+    tokio::try_join!(async { probes.await.map_err(anyhow::Error::from) }, async {
+        metrics.await.map_err(anyhow::Error::from)
+    })?;
     Ok(())
 }
 
-async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {
-    match s.health.waiting_for() {
+async fn readyz(State(health): State<Arc<Health>>) -> (StatusCode, String) {
+    match health.waiting_for() {
         waiting if waiting.is_empty() => (StatusCode::OK, "ok".into()),
         waiting => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: waiting for {}", waiting.join(", "))),
     }
 }
 
-async fn livez(State(s): State<AdminState>) -> (StatusCode, String) {
-    match s.health.failure() {
+async fn livez(State(health): State<Arc<Health>>) -> (StatusCode, String) {
+    match health.failure() {
         None => (StatusCode::OK, "ok".into()),
         Some(what) => (StatusCode::SERVICE_UNAVAILABLE, format!("failed: {what}")),
     }

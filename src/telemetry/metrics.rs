@@ -10,6 +10,19 @@ use std::time::Duration;
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+/// client-go's buckets for `rest_client_request_duration_seconds`.
+const REQUEST_BUCKETS: [f64; 12] = [0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0];
+
+/// `process_*` metrics (CPU, resident memory, open fds, start time), read at each scrape.
+static PROCESS: std::sync::LazyLock<metrics_process::Collector> =
+    std::sync::LazyLock::new(metrics_process::Collector::default);
+
+/// The text of `/metrics`, with the process metrics read now.
+pub fn render(handle: &PrometheusHandle) -> String {
+    PROCESS.collect();
+    handle.render()
+}
+
 /// Installs the global recorder and returns the handle that renders `/metrics`.
 pub fn install() -> anyhow::Result<PrometheusHandle> {
     // controller-runtime: workqueue durations 1e-8 s … 1e3 s in ×10 steps.
@@ -21,6 +34,7 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Prefix("workqueue_".into()), &queue_buckets)?
         .set_buckets_for_metric(Matcher::Full("controller_runtime_reconcile_time_seconds".into()), &reconcile_buckets)?
+        .set_buckets_for_metric(Matcher::Full("rest_client_request_duration_seconds".into()), &REQUEST_BUCKETS)?
         .install_recorder()?;
     describe();
     Ok(handle)
@@ -37,7 +51,17 @@ pub async fn upkeep(handle: PrometheusHandle) {
 
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
-    describe_gauge!("workqueue_depth", "Current depth of the work queue.");
+    PROCESS.describe();
+    describe_gauge!("workqueue_depth", "Current depth of the work queue, by lane (priority).");
+    describe_counter!("rest_client_requests_total", "API requests, by method and status code.");
+    describe_histogram!("rest_client_request_duration_seconds", "API request latency until the response headers.");
+    describe_gauge!("traffic_policy_policies", "Policies of this replica's slice, by Ready status and reason.");
+    describe_counter!("traffic_policy_watch_errors_total", "Failed watches and lists, by resource (retried).");
+    describe_counter!("traffic_policy_bucket_label_errors_total", "Failed bucket labellings (retried).");
+    describe_counter!(
+        "controller_runtime_terminal_reconcile_errors_total",
+        "Reconciles that failed in a way a retry cannot fix (the policy's status says why)."
+    );
     describe_counter!("workqueue_adds_total", "Keys added to the work queue.");
     describe_histogram!("workqueue_queue_duration_seconds", "Time a key waits in the queue before a worker takes it.");
     describe_histogram!("workqueue_work_duration_seconds", "Time a worker spends on a key.");
@@ -103,12 +127,59 @@ pub fn record_unowned(unowned: usize, elapsed: Duration) {
     }
 }
 
+/// One API request: `method` is an HTTP method, `status` its code (`None`: no response).
+pub fn api_request(method: &str, status: Option<u16>, took: Duration) {
+    let method = match method {
+        "GET" => "GET",
+        "POST" => "POST",
+        "PUT" => "PUT",
+        "PATCH" => "PATCH",
+        "DELETE" => "DELETE",
+        _ => "other",
+    };
+    let code = status.map_or_else(|| "<error>".to_string(), |code| code.to_string());
+    counter!("rest_client_requests_total", "method" => method, "code" => code).increment(1);
+    histogram!("rest_client_request_duration_seconds", "verb" => method).record(took);
+}
+
+/// A watch or list of `resource` failed (it is retried with backoff).
+pub fn count_watch_error(resource: &str) {
+    counter!("traffic_policy_watch_errors_total", "resource" => resource.to_string()).increment(1);
+}
+
+/// Labelling a policy with its bucket failed (it is retried).
+pub fn count_bucket_label_error() {
+    counter!("traffic_policy_bucket_label_errors_total").increment(1);
+}
+
+/// Policies of this replica's slice by their Ready condition: `states[i]` is the
+/// `(ready, reason)` pair counted by `counts[i]`.
+pub fn set_policies(states: &[(&'static str, &'static str)], counts: &[usize]) {
+    for (&(ready, reason), &count) in states.iter().zip(counts) {
+        gauge!("traffic_policy_policies", "ready" => ready, "reason" => reason).set(count as f64);
+    }
+}
+
 pub fn set_unlabelled(count: usize) {
     gauge!("traffic_policy_unlabelled_policies").set(count as f64);
 }
 
 pub fn count_bucket_label() {
     counter!("traffic_policy_bucket_labels_total").increment(1);
+}
+
+/// Keys waiting, per lane: `workqueue_depth{priority="high"|"low"}`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueDepth {
+    pub high: usize,
+    pub low: usize,
+}
+
+impl QueueDepth {
+    /// The count of one lane: `high` or not.
+    pub fn lane(&mut self, high: bool) -> &mut usize {
+        if high { &mut self.high } else { &mut self.low }
+    }
 }
 
 /// The `workqueue_*` family for one queue.
@@ -122,14 +193,14 @@ impl QueueMetrics {
         Self { name }
     }
 
-    pub fn added(&self, depth: usize) {
+    pub fn added(&self, depth: QueueDepth) {
         counter!("workqueue_adds_total", "name" => self.name, "controller" => self.name).increment(1);
-        self.depth(depth);
+        self.set_depth(depth);
     }
 
-    pub fn handed_out(&self, waited: Duration, depth: usize) {
+    pub fn handed_out(&self, waited: Duration, depth: QueueDepth) {
         histogram!("workqueue_queue_duration_seconds", "name" => self.name, "controller" => self.name).record(waited);
-        self.depth(depth);
+        self.set_depth(depth);
     }
 
     pub fn work_done(&self, took: Duration) {
@@ -140,13 +211,13 @@ impl QueueMetrics {
         counter!("workqueue_retries_total", "name" => self.name, "controller" => self.name).increment(1);
     }
 
-    pub fn set_running(&self, running: &[Duration], depth: usize) {
+    pub fn set_running(&self, running: &[Duration], depth: QueueDepth) {
         let unfinished: f64 = running.iter().map(Duration::as_secs_f64).sum();
         let longest = running.iter().max().copied().unwrap_or_default();
         gauge!("workqueue_unfinished_work_seconds", "name" => self.name, "controller" => self.name).set(unfinished);
         gauge!("workqueue_longest_running_processor_seconds", "name" => self.name, "controller" => self.name)
             .set(longest.as_secs_f64());
-        self.depth(depth);
+        self.set_depth(depth);
     }
 
     pub fn set_oldest_item_age(&self, age: Duration) {
@@ -154,8 +225,13 @@ impl QueueMetrics {
             .set(age.as_secs_f64());
     }
 
-    fn depth(&self, depth: usize) {
-        gauge!("workqueue_depth", "name" => self.name, "controller" => self.name).set(depth as f64);
+    /// Per lane: `high` holds changes and retries, `low` the initial list's backlog and
+    /// resyncs, so an alert on `high` does not fire on a restart's backlog.
+    pub fn set_depth(&self, depth: QueueDepth) {
+        for (priority, keys) in [("high", depth.high), ("low", depth.low)] {
+            gauge!("workqueue_depth", "name" => self.name, "controller" => self.name, "priority" => priority)
+                .set(keys as f64);
+        }
     }
 }
 
@@ -198,6 +274,7 @@ impl ControllerMetrics {
                 .absolute(0);
         }
         counter!("controller_runtime_reconcile_panics_total", "controller" => name).absolute(0);
+        counter!("controller_runtime_terminal_reconcile_errors_total", "controller" => name).absolute(0);
         Self { name }
     }
 
@@ -209,6 +286,11 @@ impl ControllerMetrics {
             counter!("controller_runtime_reconcile_errors_total", "controller" => self.name, "kind" => kind)
                 .increment(1);
         }
+    }
+
+    /// A reconcile error that retries cannot fix (controller-runtime's `TerminalError`).
+    pub fn terminal_error(&self) {
+        counter!("controller_runtime_terminal_reconcile_errors_total", "controller" => self.name).increment(1);
     }
 
     pub fn panicked(&self) {

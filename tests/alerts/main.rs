@@ -1,6 +1,7 @@
 //! The queue-depth alert, live: a real Prometheus scrapes two operator replicas on the real
-//! control plane and evaluates deploy/'s alert rules while the replicas work off a backlog.
-//! The rule is the shipped one with its threshold and `for` shortened to fit a test.
+//! control plane and evaluates deploy/'s alert rules. The rule is the shipped one with its
+//! threshold and `for` shortened to fit a test. Two cases: a restart's backlog (the initial
+//! list, in the low lane) must page no one; a burst of edits (the high lane) must.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -11,40 +12,51 @@ use common::{Operator, TestEnv};
 
 use controlplane::process::Process;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
+use traffic_policy_operator::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
 
 const ALERT: &str = "TrafficPolicyWorkQueueDepthHigh";
+/// The same rule on the low lane: it shows that the backlog was deep enough to fire the
+/// alert, had the alert looked at it.
+const PROBE: &str = "BacklogProbe";
+const POLICIES: usize = 2000;
+const NAMESPACES: usize = 20;
 
-/// The shipped rules, with the queue-depth alert's threshold and duration shortened.
+/// The shipped rules, with the queue-depth alert's threshold and duration shortened, plus
+/// the probe.
 fn test_rules() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus/alerts.yaml");
     let mut rules: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let rule = rules["groups"][0]["rules"]
-        .as_sequence_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|r| r["alert"].as_str() == Some(ALERT))
-        .expect("the queue-depth alert is shipped");
+    let list = rules["groups"][0]["rules"].as_sequence_mut().unwrap();
+    let rule = list.iter_mut().find(|r| r["alert"].as_str() == Some(ALERT)).expect("the queue-depth alert is shipped");
     let expr = rule["expr"].as_str().unwrap().to_string();
-    assert!(expr.ends_with("> 500"), "{expr}");
+    assert!(expr.ends_with("> 500") && expr.contains("priority=\"high\""), "{expr}");
     rule["expr"] = expr.replace("> 500", "> 100").into();
     rule["for"] = "5s".into();
+    let mut probe = rule.clone();
+    probe["alert"] = PROBE.into();
+    probe["expr"] = expr.replace("> 500", "> 100").replace("priority=\"high\"", "priority=\"low\"").into();
+    list.push(probe);
     serde_yaml::to_string(&rules).unwrap()
 }
 
-fn alert_state(prometheus_port: u16) -> Option<String> {
+fn policy_name(i: usize) -> (String, String) {
+    (format!("backlog-{}", i % NAMESPACES), format!("app-{i}"))
+}
+
+/// The most advanced state of `alert` over its per-replica instances.
+fn alert_state(prometheus_port: u16, alert: &str) -> Option<String> {
     let response = controlplane::http_get_plain(prometheus_port, "/api/v1/alerts").ok()?;
     let body = response.split_once("\r\n\r\n")?.1;
     let alerts: serde_json::Value = serde_json::from_str(body).ok()?;
     let states: Vec<String> = alerts["data"]["alerts"]
         .as_array()?
         .iter()
-        .filter(|a| a["labels"]["alertname"] == ALERT)
+        .filter(|a| a["labels"]["alertname"] == alert)
         .filter_map(|a| a["state"].as_str().map(str::to_string))
         .collect();
-    // Per-replica alerts: report the most advanced state.
     Some(if states.iter().any(|s| s == "firing") {
         "firing".into()
     } else if states.iter().any(|s| s == "pending") {
@@ -54,26 +66,53 @@ fn alert_state(prometheus_port: u16) -> Option<String> {
     })
 }
 
+/// Polls both alerts until `done` says so from their state histories (each starts
+/// `inactive`, and records each change).
+async fn watch_alerts(
+    port: u16,
+    phase: &str,
+    done: impl Fn(&[String], &[String]) -> bool,
+) -> (Vec<String>, Vec<String>) {
+    let started = Instant::now();
+    let (mut alert, mut probe) = (vec!["inactive".to_string()], vec!["inactive".to_string()]);
+    loop {
+        for (name, history) in [(ALERT, &mut alert), (PROBE, &mut probe)] {
+            if let Some(state) = alert_state(port, name)
+                && history.last() != Some(&state)
+            {
+                println!("{phase} {:6.1} s  {name}: {state}", started.elapsed().as_secs_f64());
+                history.push(state);
+            }
+        }
+        if done(&alert, &probe) {
+            return (alert, probe);
+        }
+        assert!(started.elapsed() < Duration::from_secs(240), "{phase}: {ALERT} {alert:?}, {PROBE} {probe:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn queue_depth_alert_fires_on_a_backlog_and_resolves_when_it_drains() {
+async fn the_queue_depth_alert_fires_on_edits_and_not_on_a_restart_backlog() {
     let env = TestEnv::new("tpo-alerts").await;
     let identity = env.operator_identity("operator", None).await;
 
-    // The backlog: 2,000 policies waiting before the replicas start.
-    for n in 0..20 {
+    // Policies that are already labelled and wait for replicas that (re)start: a restart.
+    for n in 0..NAMESPACES {
         let ns = Namespace {
             metadata: ObjectMeta { name: Some(format!("backlog-{n}")), ..Default::default() },
             ..Default::default()
         };
         Api::<Namespace>::all(env.client.clone()).create(&PostParams::default(), &ns).await.unwrap();
     }
-    let create = futures::future::join_all((0..2000).map(|i| {
+    let create = futures::future::join_all((0..POLICIES).map(|i| {
         let client = env.client.clone();
         async move {
-            let api = Api::<ApplicationTrafficPolicy>::namespaced(client, &format!("backlog-{}", i % 20));
+            let (namespace, name) = policy_name(i);
+            let api = Api::<ApplicationTrafficPolicy>::namespaced(client, &namespace);
             let policy: ApplicationTrafficPolicy = serde_json::from_value(json!({
                 "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
-                "metadata": { "name": format!("app-{i}") },
+                "metadata": { "name": name, "labels": { BUCKET_LABEL: label_value(bucket_of(&namespace)) } },
                 "spec": { "applicationSelector": { "matchLabels": { "app": format!("app-{i}") } } }
             }))
             .unwrap();
@@ -84,17 +123,14 @@ async fn queue_depth_alert_fires_on_a_backlog_and_resolves_when_it_drains() {
         result.unwrap();
     }
 
-    // Few workers, so the queue fills faster than it drains.
-    let args = vec![format!("--namespace={}", env.namespace), "--workers=1".to_string()];
-    let mut replicas = Vec::new();
-    for name in ["alerts-0", "alerts-1"] {
-        replicas.push(Operator::launch(env.cp, &identity, name, &args).await);
-    }
-
     let dir = env.cp.dir().join("prometheus");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("rules.yaml"), test_rules()).unwrap();
-    let targets: Vec<String> = replicas.iter().map(|r| format!("'127.0.0.1:{}'", r.admin_port)).collect();
+    // Few workers, so the queue fills faster than it drains. The ports are known before the
+    // replicas start, so Prometheus watches from the first moment.
+    let ports: Vec<(u16, u16)> =
+        (0..2).map(|_| (controlplane::free_port().unwrap(), controlplane::free_port().unwrap())).collect();
+    let targets: Vec<String> = ports.iter().map(|(metrics, _)| format!("'127.0.0.1:{metrics}'")).collect();
     let config = format!(
         "global: {{ scrape_interval: 1s, evaluation_interval: 1s }}\nrule_files: [rules.yaml]\n\
          scrape_configs:\n  - job_name: traffic-policy-operator\n    static_configs: [{{ targets: [{}] }}]\n",
@@ -111,28 +147,50 @@ async fn queue_depth_alert_fires_on_a_backlog_and_resolves_when_it_drains() {
     let binary = which("prometheus");
     let _prometheus = Process::start("prometheus", &binary, &args, &dir.join("prometheus.log")).unwrap();
 
-    // Watch the alert's state until it has gone pending, firing, and away again.
-    let started = Instant::now();
-    let mut transitions: Vec<(f64, String)> = Vec::new();
-    loop {
-        if let Some(state) = alert_state(port)
-            && transitions.last().is_none_or(|(_, last)| *last != state)
-        {
-            println!("{:6.1} s  {ALERT}: {state}", started.elapsed().as_secs_f64());
-            transitions.push((started.elapsed().as_secs_f64(), state));
-        }
-        let states: Vec<&str> = transitions.iter().map(|(_, s)| s.as_str()).collect();
-        if states.ends_with(&["pending", "firing", "inactive"]) {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(240), "alert states so far: {transitions:?}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    let mut replicas = Vec::new();
+    for (i, (metrics, probes)) in ports.iter().enumerate() {
+        let args = vec![
+            format!("--namespace={}", env.namespace),
+            "--workers=1".to_string(),
+            format!("--metrics-addr=127.0.0.1:{metrics}"),
+            format!("--health-probe-addr=127.0.0.1:{probes}"),
+        ];
+        replicas.push(Operator::launch(env.cp, &identity, &format!("alerts-{i}"), &args).await);
     }
+
+    // 1. The restart's backlog: deep enough to fire the probe, yet the alert stays quiet
+    //    until the backlog has drained.
+    let (alert, probe) =
+        watch_alerts(port, "backlog", |_, probe| probe.ends_with(&["firing".into(), "inactive".into()])).await;
+    assert_eq!(alert, ["inactive"], "the queue-depth alert paged on a restart's backlog");
+    assert!(probe.contains(&"firing".to_string()));
     let replicas = &replicas;
-    common::eventually("the backlog drains completely", || async move {
-        (replicas.iter().map(|r| r.metric("workqueue_depth", None)).sum::<f64>() == 0.0).then_some(())
+    let lane = |priority: &'static str| {
+        replicas.iter().map(|r| r.metric("workqueue_depth", Some(&format!("priority=\"{priority}\"")))).sum::<f64>()
+    };
+    common::eventually("the backlog drains completely", || async move { (lane("low") == 0.0).then_some(()) }).await;
+
+    // 2. A burst of edits: each is a change someone waits for, in the high lane.
+    let edits = futures::future::join_all((0..POLICIES).map(|i| {
+        let client = env.client.clone();
+        async move {
+            let (namespace, name) = policy_name(i);
+            let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": 1000 + i } } });
+            Api::<ApplicationTrafficPolicy>::namespaced(client, &namespace)
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(|_| ())
+        }
+    }));
+    for result in edits.await {
+        result.unwrap();
+    }
+    let (alert, _) = watch_alerts(port, "edits", |alert, _| {
+        alert.ends_with(&["pending".into(), "firing".into(), "inactive".into()])
     })
     .await;
+    assert!(alert.contains(&"firing".to_string()));
+    common::eventually("the edits drain completely", || async move { (lane("high") == 0.0).then_some(()) }).await;
 }
 
 fn which(program: &str) -> std::path::PathBuf {

@@ -67,7 +67,7 @@ impl TestEnv {
     /// A ServiceAccount bound to deploy/'s ClusterRole (or to `cluster_grants` when given)
     /// and to deploy/'s Role in this namespace, which serves as the operator's namespace.
     pub async fn operator_identity(&self, name: &str, cluster_grants: Option<Vec<Grant>>) -> controlplane::Identity {
-        let mut role: Role = read_yaml("deploy/role.yaml");
+        let mut role: Role = read_yaml("deploy/base/role.yaml");
         role.metadata.namespace = Some(self.namespace.clone());
         let apply = PatchParams::apply("e2e-tests").force();
         self.api::<Role>().patch(&role.name_any(), &apply, &Patch::Apply(&role)).await.unwrap();
@@ -105,14 +105,15 @@ async fn install_once(cp: &'static ControlPlane) {
             let crds = Api::<CustomResourceDefinition>::all(client.clone());
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
             // The fencing policy, as deploy/ installs it.
-            let fencing = std::fs::read_to_string(Path::new(REPO).join("deploy/fencing/fencing.yaml")).unwrap();
+            let fencing =
+                std::fs::read_to_string(Path::new(REPO).join("deploy/components/fencing/fencing.yaml")).unwrap();
             for document in serde_yaml::Deserializer::from_str(&fencing) {
                 let object = serde_yaml::Value::deserialize(document).unwrap();
                 apply_dynamic(&client, &object).await;
             }
-            // deploy/flowschema.yaml, for every service account: each test runs its operators
+            // deploy/base/flowschema.yaml, for every service account: each test runs its operators
             // under accounts of its own.
-            let mut schema: FlowSchema = read_yaml("deploy/flowschema.yaml");
+            let mut schema: FlowSchema = read_yaml("deploy/base/flowschema.yaml");
             schema.metadata.name = Some("traffic-policy-operator-coordination-tests".into());
             let spec = schema.spec.as_mut().unwrap();
             spec.matching_precedence = Some(310);
@@ -156,7 +157,7 @@ async fn apply_dynamic(client: &Client, object: &serde_yaml::Value) {
 }
 
 pub fn operator_cluster_role() -> ClusterRole {
-    read_yaml("deploy/clusterrole.yaml")
+    read_yaml("deploy/base/clusterrole.yaml")
 }
 
 /// The one document of a YAML file in the repo (a leading `---` and comments allowed).
@@ -184,7 +185,8 @@ pub fn lease_timings() -> (Duration, Duration, Duration) {
 /// The operator binary, running as its own process.
 pub struct Operator {
     pub process: Process,
-    pub admin_port: u16,
+    pub metrics_port: u16,
+    pub probe_port: u16,
 }
 
 impl Operator {
@@ -207,11 +209,17 @@ impl Operator {
     /// Starts replica `name` with the given kubeconfig, without waiting for it.
     pub fn spawn(cp: &ControlPlane, kubeconfig: &Path, name: &str, args: &[String]) -> Self {
         let timings = lease_timings();
-        let admin_port = controlplane::free_port().unwrap();
-        let log = cp.dir().join(format!("{name}-{admin_port}.log"));
+        // The caller may choose the ports (`--metrics-addr=127.0.0.1:PORT`); free ones otherwise.
+        let port = |flag: &str| {
+            let given = args.iter().find_map(|a| a.strip_prefix(&format!("{flag}=127.0.0.1:"))?.parse().ok());
+            given.unwrap_or_else(|| controlplane::free_port().unwrap())
+        };
+        let (metrics_port, probe_port) = (port("--metrics-addr"), port("--health-probe-addr"));
+        let log = cp.dir().join(format!("{name}-{metrics_port}.log"));
         let mut all: Vec<String> = vec![
             format!("--kubeconfig={}", kubeconfig.display()),
-            format!("--admin-addr=127.0.0.1:{admin_port}"),
+            format!("--metrics-addr=127.0.0.1:{metrics_port}"),
+            format!("--health-probe-addr=127.0.0.1:{probe_port}"),
             format!("--pod-name={name}"),
             "--log-format=json".into(),
             "--log-level=info".into(),
@@ -222,10 +230,14 @@ impl Operator {
             all.push(format!("--renew-deadline={}s", timings.1.as_secs()));
             all.push(format!("--retry-period={}ms", timings.2.as_millis()));
         }
-        all.extend(args.iter().cloned());
+        all.extend(
+            args.iter()
+                .filter(|a| !a.starts_with("--metrics-addr=") && !a.starts_with("--health-probe-addr="))
+                .cloned(),
+        );
         let binary = Path::new(env!("CARGO_BIN_EXE_traffic-policy-operator"));
         let process = Process::start("traffic-policy-operator", binary, &all, &log).unwrap();
-        Self { process, admin_port }
+        Self { process, metrics_port, probe_port }
     }
 
     /// Polls `/readyz` until it answers 200.
@@ -244,8 +256,10 @@ impl Operator {
         self.get("/readyz").is_ok_and(|r| r.contains(" 200 "))
     }
 
+    /// `/metrics` from the metrics server, anything else from the health-probe server.
     pub fn get(&self, path: &str) -> anyhow::Result<String> {
-        controlplane::http_get_plain(self.admin_port, path)
+        let port = if path == "/metrics" { self.metrics_port } else { self.probe_port };
+        controlplane::http_get_plain(port, path)
     }
 
     /// The sum of every series of `name` (optionally only those containing `label`).

@@ -6,14 +6,17 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use common::{TestEnv, eventually};
 use controlplane::ControlPlane;
+use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use serde::Deserialize;
 
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -39,6 +42,25 @@ fn monitoring_crds() -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kustomization_passes_a_server_side_dry_run_without_pod_security_warnings() {
     let env = TestEnv::new("deploy-dry-run").await;
+    // The default install needs nothing but Kubernetes: it is tried before the Prometheus
+    // Operator's CRDs exist (no other test of this suite installs them).
+    let (present, _, _) = kubectl(env.cp, &["get", "crd", "servicemonitors.monitoring.coreos.com"]);
+    assert!(!present, "this control plane must not have the Prometheus Operator's CRDs yet");
+    // The namespace must exist for pod-security admission to judge the StatefulSet.
+    let (ok, _, err) = kubectl(env.cp, &["apply", "-f", "deploy/base/namespace.yaml"]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/"]);
+    println!("{out}{err}");
+    assert!(ok, "dry-run of deploy/ failed without the monitoring CRDs: {err}");
+    assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
+    assert!(!out.contains("monitoring.coreos.com"), "deploy/ installs monitoring objects: {out}");
+    // (kubectl's own notes about last-applied annotations on objects the harness installed
+    // may appear; pod-security warnings must not.)
+    assert!(!err.contains("PodSecurity"), "pod-security admission warned: {err}");
+
+    // The monitoring overlay needs the CRDs: refused without them, accepted with them.
+    let (ok, _, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/overlays/monitoring/"]);
+    assert!(!ok && err.contains("ServiceMonitor"), "expected the missing CRDs to be named: {err}");
     let crds = monitoring_crds();
     let (ok, _, err) = kubectl(env.cp, &["apply", "--server-side", "-f", crds.to_str().unwrap()]);
     assert!(ok, "{err}");
@@ -47,18 +69,15 @@ async fn the_kustomization_passes_a_server_side_dry_run_without_pod_security_war
             kubectl(env.cp, &["wait", "--for=condition=established", "--timeout=60s", &format!("crd/{crd}")]);
         assert!(ok, "{err}");
     }
-    // The namespace must exist for pod-security admission to judge the StatefulSet.
-    let (ok, _, err) = kubectl(env.cp, &["apply", "-f", "deploy/namespace.yaml"]);
-    assert!(ok, "{err}");
-
-    let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/"]);
-    println!("{out}{err}");
-    assert!(ok, "dry-run failed: {err}");
-    assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
-    assert!(out.contains("prometheusrule.monitoring.coreos.com/traffic-policy-operator created (server dry run)"));
-    // (kubectl's own notes about last-applied annotations on objects the harness installed
-    // may appear; pod-security warnings must not.)
-    assert!(!err.contains("PodSecurity"), "pod-security admission warned: {err}");
+    let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/overlays/monitoring/"]);
+    assert!(ok, "dry-run of the monitoring overlay failed: {err}");
+    for object in [
+        "prometheusrule.monitoring.coreos.com/traffic-policy-operator",
+        "servicemonitor.monitoring.coreos.com/traffic-policy-operator",
+        "networkpolicy.networking.k8s.io/traffic-policy-operator-metrics",
+    ] {
+        assert!(out.contains(&format!("{object} created (server dry run)")), "{object} missing from: {out}");
+    }
 
     // The same check does see a pod that breaks the restricted profile.
     let loose = r#"{"apiVersion":"apps/v1","kind":"StatefulSet","metadata":{"name":"loose","namespace":"traffic-policy-operator"},
@@ -104,21 +123,23 @@ fn alert_rules_pass_promtool_unit_tests() {
 fn the_prometheus_rule_carries_the_same_alerts_as_the_plain_rules_file() {
     let plain: serde_yaml::Value =
         serde_yaml::from_str(&std::fs::read_to_string(repo("deploy/prometheus/alerts.yaml")).unwrap()).unwrap();
-    let rule: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(repo("deploy/prometheusrule.yaml")).unwrap()).unwrap();
+    let rule: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(repo("deploy/components/monitoring/prometheusrule.yaml")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(
         rule["spec"]["groups"], plain["groups"],
-        "deploy/prometheusrule.yaml and deploy/prometheus/alerts.yaml differ"
+        "deploy/components/monitoring/prometheusrule.yaml and deploy/prometheus/alerts.yaml differ"
     );
 }
 
 #[test]
 fn the_deployed_crd_is_the_generated_one() {
     let generated = std::fs::read_to_string(repo("crds/applicationtrafficpolicies.trafficpolicy.dev.yaml")).unwrap();
-    let deployed = std::fs::read_to_string(repo("deploy/crd.yaml")).unwrap();
+    let deployed = std::fs::read_to_string(repo("deploy/base/crd.yaml")).unwrap();
     assert!(
         deployed == generated,
-        "deploy/crd.yaml is stale: cp crds/applicationtrafficpolicies.trafficpolicy.dev.yaml deploy/crd.yaml"
+        "deploy/base/crd.yaml is stale: cp crds/applicationtrafficpolicies.trafficpolicy.dev.yaml deploy/base/crd.yaml"
     );
 }
 
@@ -127,19 +148,21 @@ fn the_deployed_crd_is_the_generated_one() {
 #[test]
 fn the_dockerfile_refers_to_what_exists() {
     let dockerfile = std::fs::read_to_string(repo("Dockerfile")).unwrap();
-    let mut checked = 0;
-    for line in dockerfile.lines().map(str::trim) {
-        if let Some(rest) = line.strip_prefix("COPY ")
-            && !rest.starts_with("--from")
-        {
-            let parts: Vec<&str> = rest.split_whitespace().collect();
-            for source in &parts[..parts.len() - 1] {
-                assert!(repo(source).exists(), "Dockerfile copies {source}, which does not exist");
-                checked += 1;
-            }
-        }
+    let sources = copied_sources(&dockerfile);
+    for source in &sources {
+        assert!(repo(source).exists(), "Dockerfile copies {source}, which does not exist");
     }
-    assert!(checked >= 6, "found only {checked} COPY sources");
+    assert!(sources.len() >= 6, "found only {} COPY sources", sources.len());
+    let ignore = std::fs::read_to_string(repo(".dockerignore")).expect("a .dockerignore keeps the context small");
+    for source in sources {
+        assert!(!docker_ignores(&ignore, source), ".dockerignore keeps out {source}, which the Dockerfile copies");
+    }
+    assert!(docker_ignores(&ignore, "target/debug/traffic-policy-operator") && docker_ignores(&ignore, "loadtest/src"));
+    for from in dockerfile.lines().filter_map(|l| l.trim().strip_prefix("FROM ")) {
+        let image = from.split_whitespace().next().unwrap();
+        let digest = image.split_once("@sha256:").unwrap_or_else(|| panic!("{image} is not pinned by digest")).1;
+        assert!(digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()), "{image}: bad digest");
+    }
     let binary = env!("CARGO_BIN_EXE_traffic-policy-operator");
     let name = Path::new(binary).file_name().unwrap().to_str().unwrap();
     assert!(dockerfile.contains(&format!("target/release/{name} ")), "the Dockerfile copies another binary");
@@ -155,7 +178,43 @@ fn the_dockerfile_refers_to_what_exists() {
     }
 }
 
-/// deploy/flowschema.yaml puts the operator's Lease and assignment requests in the
+/// The source paths of the Dockerfile's `COPY` lines from the build context.
+fn copied_sources(dockerfile: &str) -> Vec<&str> {
+    dockerfile
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("COPY "))
+        .filter(|rest| !rest.starts_with("--from"))
+        .flat_map(|rest| {
+            let parts: Vec<&str> = rest.split_whitespace().collect();
+            parts[..parts.len() - 1].to_vec()
+        })
+        .collect()
+}
+
+/// Whether `.dockerignore` (the subset of its syntax we use: `dir/`, `dir/*`, `!path`, the
+/// last matching line winning) keeps `path` out of the build context.
+fn docker_ignores(dockerignore: &str, path: &str) -> bool {
+    let mut ignored = false;
+    for line in dockerignore.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let (keep, pattern) = match line.strip_prefix('!') {
+            Some(p) => (true, p),
+            None => (false, line),
+        };
+        let matches = match pattern.strip_suffix("/*") {
+            Some(dir) => path.strip_prefix(dir).is_some_and(|rest| rest.starts_with('/') && rest.len() > 1),
+            None => {
+                let pattern = pattern.trim_end_matches('/');
+                path == pattern || path.starts_with(&format!("{pattern}/"))
+            }
+        };
+        if matches {
+            ignored = !keep;
+        }
+    }
+    ignored
+}
+
+/// deploy/base/flowschema.yaml puts the operator's Lease and assignment requests in the
 /// `leader-election` priority level and leaves its other requests where they were, as the
 /// API server's response headers say (they name the flow schema and level of each request).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,7 +222,7 @@ async fn the_flowschema_puts_coordination_requests_in_the_leader_election_level(
     let env = TestEnv::new("deploy-flowschema").await;
     let identity = env.operator_identity("traffic-policy-operator", None).await;
     // As a namespace overlay would place it: the subject and the rules in the test's namespace.
-    let mut schema: FlowSchema = common::read_yaml("deploy/flowschema.yaml");
+    let mut schema: FlowSchema = common::read_yaml("deploy/base/flowschema.yaml");
     for rule in schema.spec.as_mut().unwrap().rules.iter_mut().flatten() {
         for subject in &mut rule.subjects {
             subject.service_account.as_mut().unwrap().namespace = env.namespace.clone();
@@ -200,4 +259,144 @@ async fn the_flowschema_puts_coordination_requests_in_the_leader_election_level(
     let policies = format!("/apis/trafficpolicy.dev/v1/namespaces/{ns}/applicationtrafficpolicies");
     let (_, level) = served_by(policies).await.expect("APF headers on every response");
     assert_ne!(level, leader_election, "policy requests must stay out of the leader-election level");
+}
+
+/// Every `namespace` and `namespaces` value anywhere in `value`, with where it was found.
+fn namespaces_in(value: &serde_yaml::Value, at: &str, found: &mut Vec<(String, String)>) {
+    match value {
+        serde_yaml::Value::Mapping(map) => {
+            for (key, child) in map {
+                let key = key.as_str().unwrap_or_default();
+                let here = format!("{at}.{key}");
+                match (key, child) {
+                    ("namespace", serde_yaml::Value::String(ns)) => found.push((here, ns.clone())),
+                    ("namespaces", serde_yaml::Value::Sequence(list)) => {
+                        found.extend(list.iter().map(|ns| (here.clone(), ns.as_str().unwrap_or_default().to_string())))
+                    }
+                    _ => namespaces_in(child, &here, found),
+                }
+            }
+        }
+        serde_yaml::Value::Sequence(list) => list.iter().for_each(|v| namespaces_in(v, at, found)),
+        _ => {}
+    }
+}
+
+/// An overlay that installs into another namespace reaches every place that names it, the
+/// cluster-scoped ClusterRoleBinding and FlowSchema included, and passes a server dry-run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_namespace_overlay_moves_every_reference_to_the_namespace() {
+    let env = TestEnv::new("deploy-overlay").await;
+    let overlay: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(repo("deploy/overlays/other-namespace/kustomization.yaml")).unwrap(),
+    )
+    .unwrap();
+    let target = overlay["namespace"].as_str().unwrap().to_string();
+    let (ok, rendered, err) = kubectl(env.cp, &["kustomize", "deploy/overlays/other-namespace/"]);
+    assert!(ok, "{err}");
+    let mut found = Vec::new();
+    let mut kinds = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&rendered) {
+        let doc = serde_yaml::Value::deserialize(doc).unwrap();
+        let kind = doc["kind"].as_str().unwrap().to_string();
+        namespaces_in(&doc, &kind, &mut found);
+        kinds.push(kind);
+    }
+    let elsewhere: Vec<_> = found.iter().filter(|(_, ns)| *ns != target).collect();
+    assert!(elsewhere.is_empty(), "left in another namespace: {elsewhere:?}");
+    for place in ["ClusterRoleBinding.subjects.namespace", "FlowSchema.spec.rules.subjects.serviceAccount.namespace"] {
+        assert!(found.iter().any(|(at, _)| at == place), "{place} not rendered: {found:?}");
+    }
+    assert!(kinds.iter().any(|k| k == "Namespace"));
+
+    let (ok, _, err) = kubectl(env.cp, &["create", "namespace", &target]);
+    assert!(ok || err.contains("AlreadyExists"), "{err}");
+    let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/overlays/other-namespace/"]);
+    assert!(ok, "dry-run of the namespace overlay failed: {err}");
+    assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
+}
+
+/// The image's command line, run as the image runs it: its ENTRYPOINT executed directly (the
+/// image has no shell) as its USER, with the StatefulSet's arguments and only the environment
+/// the pod gives it. A kubeconfig stands in for the mounted service-account token, and the
+/// ports are moved to free ones. The binary is the debug build of the same sources.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_container_command_line_starts_a_ready_replica() {
+    use std::os::unix::process::CommandExt;
+    let env = TestEnv::new("deploy-container").await;
+    let identity = env.operator_identity("container", None).await;
+    let dockerfile = std::fs::read_to_string(repo("Dockerfile")).unwrap();
+    let user = dockerfile.lines().find_map(|l| l.strip_prefix("USER ")).expect("the image names its user");
+    let (uid, gid) = user.trim().split_once(':').expect("USER uid:gid");
+    let (uid, gid): (u32, u32) = (uid.parse().unwrap(), gid.parse().unwrap());
+    assert_ne!(uid, 0, "the image runs as root");
+
+    let statefulset: StatefulSet = common::read_yaml("deploy/base/statefulset.yaml");
+    let pod = statefulset.spec.unwrap().template.spec.unwrap();
+    let container = &pod.containers[0];
+    let (metrics_port, probe_port) = (controlplane::free_port().unwrap(), controlplane::free_port().unwrap());
+    let ports = |arg: &String| {
+        arg.replace("0.0.0.0:8080", &format!("127.0.0.1:{metrics_port}"))
+            .replace("0.0.0.0:8081", &format!("127.0.0.1:{probe_port}"))
+    };
+    let args: Vec<String> = container.args.iter().flatten().map(ports).collect();
+    assert!(args.iter().any(|a| a.contains(&metrics_port.to_string())), "no metrics address in {args:?}");
+    assert!(args.iter().any(|a| a.contains(&probe_port.to_string())), "no probe address in {args:?}");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_traffic-policy-operator"));
+    command.args(&args).env_clear().uid(uid).gid(gid).current_dir("/");
+    for var in container.env.iter().flatten() {
+        let field = var.value_from.as_ref().and_then(|v| v.field_ref.as_ref()).map(|f| f.field_path.as_str());
+        let value = match field {
+            Some("metadata.name") => "traffic-policy-operator-0".to_string(),
+            Some("metadata.namespace") => env.namespace.clone(),
+            other => var.value.clone().unwrap_or_else(|| panic!("{}: unexpected source {other:?}", var.name)),
+        };
+        command.env(&var.name, value);
+    }
+    command.env("KUBECONFIG", &identity.kubeconfig_path);
+    let log = env.cp.dir().join("container.log");
+    let process =
+        std::sync::Mutex::new(controlplane::process::Process::start_command("container", command, &log).unwrap());
+    let readyz = eventually("the container's process is ready", || async {
+        let mut process = process.lock().unwrap();
+        if let Some(status) = process.exited() {
+            panic!("{}", process.failure(&format!("exited ({status})")));
+        }
+        controlplane::http_get_plain(probe_port, "/readyz").ok().filter(|r| r.contains(" 200 "))
+    })
+    .await;
+    let mut process = process.into_inner().unwrap();
+    assert!(readyz.contains("ok"));
+    let metrics = controlplane::http_get_plain(metrics_port, "/metrics").unwrap();
+    assert!(metrics.contains("traffic_policy_lease_held"), "{metrics}");
+    // Probes and metrics each on their own port only.
+    assert!(controlplane::http_get_plain(probe_port, "/metrics").unwrap().contains(" 404 "));
+    assert!(controlplane::http_get_plain(metrics_port, "/readyz").unwrap().contains(" 404 "));
+    let status = process.stop(Duration::from_secs(20)).unwrap();
+    assert!(status.success(), "exit on SIGTERM: {status}");
+}
+
+/// With a certificate and key, /metrics is served over HTTPS only, as a scraper that checks
+/// the certificate sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_can_be_served_over_https() {
+    let env = TestEnv::new("deploy-metrics-tls").await;
+    // The test control plane's serving certificate is for 127.0.0.1, signed by its CA.
+    let dir = env.cp.dir();
+    let cert = format!("--metrics-tls-cert-file={}", dir.join("apiserver.crt").display());
+    let key = format!("--metrics-tls-key-file={}", dir.join("apiserver.key").display());
+    let operator = env.start_operator(&[&cert, &key]).await;
+    let url = format!("https://127.0.0.1:{}/metrics", operator.metrics_port);
+    let out = Command::new("curl")
+        .args(["--silent", "--show-error", "--fail", "--cacert"])
+        .arg(dir.join("ca.crt"))
+        .arg(&url)
+        .output()
+        .expect("curl runs");
+    let body = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(body.contains("traffic_policy_lease_held"), "{body}");
+    // Plain HTTP gets no metrics.
+    let plain = controlplane::http_get_plain(operator.metrics_port, "/metrics").unwrap_or_default();
+    assert!(!plain.contains("traffic_policy_lease_held"), "metrics served over plain HTTP too");
 }

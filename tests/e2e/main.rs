@@ -3,6 +3,7 @@
 //! its own operator process scoped to it.
 
 mod lifecycle;
+mod metrics;
 mod restart;
 #[path = "../common/mod.rs"]
 mod support;

@@ -67,15 +67,23 @@ pub struct Process {
 impl Process {
     /// Starts `program args…` with stdout and stderr appended to `log_path`.
     pub fn start(name: &'static str, program: &Path, args: &[String], log_path: &Path) -> Result<Self> {
+        let mut command = Command::new(program);
+        command.args(args);
+        Self::start_command(name, command, log_path)
+    }
+
+    /// Starts `command` as it is set up (program, arguments, environment, user), with stdout
+    /// and stderr appended to `log_path`.
+    pub fn start_command(name: &'static str, mut command: Command, log_path: &Path) -> Result<Self> {
         let log = File::options()
             .create(true)
             .append(true)
             .open(log_path)
             .with_context(|| format!("{name}: cannot open log file {}", log_path.display()))?;
-        let mut command = Command::new(program);
-        command.args(args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+        let program = command.get_program().to_owned();
+        command.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
         let child = spawn_tied_to_this_process(command)
-            .with_context(|| format!("{name}: cannot start {}", program.display()))?;
+            .with_context(|| format!("{name}: cannot start {}", program.to_string_lossy()))?;
         Ok(Self { name, log_path: log_path.to_owned(), child })
     }
 

@@ -1,0 +1,106 @@
+//! What Prometheus sees: each metric read from `/metrics` after causing what it counts.
+
+use controlplane::Grant;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use traffic_policy_operator::api::{ApplicationTrafficPolicy, Cidr, ConditionStatus};
+
+use crate::lifecycle::policy;
+use crate::support::{Operator, TestEnv, eventually, operator_cluster_role};
+
+/// API requests, process metrics, both queue lanes, terminal errors and policies by Ready
+/// status and reason, after one policy that applies and one the API server refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordinary_work_shows_in_metrics() {
+    let env = TestEnv::new("e2e-metrics").await;
+    let operator = env.start_operator(&[]).await;
+    let policies = env.api::<ApplicationTrafficPolicy>();
+    policies.create(&PostParams::default(), &policy("fine", 80)).await.unwrap();
+    let mut refused = policy("refused", 81);
+    // A CIDR with host bits set passes the CRD; NetworkPolicy validation refuses it.
+    refused.spec.ingress_rules[0].from[0].ip_block.cidr = Cidr("10.0.0.1/8".into());
+    refused.spec.ingress_rules[0].from[0].ip_block.except.clear();
+    policies.create(&PostParams::default(), &refused).await.unwrap();
+    env.wait_ready("fine", ConditionStatus::True).await;
+    env.wait_ready("refused", ConditionStatus::False).await;
+
+    let m = |name: &str, label: Option<&str>| operator.metric(name, label);
+    assert!(m("rest_client_requests_total", Some("method=\"PATCH\",code=\"200\"")) >= 2.0, "child applies counted");
+    assert!(m("rest_client_requests_total", Some("code=\"422\"")) >= 1.0, "the refused apply counted by its code");
+    assert!(m("rest_client_request_duration_seconds_count", Some("verb=\"GET\"")) >= 1.0);
+    assert!(m("process_resident_memory_bytes", None) > 1e6);
+    assert!(m("process_open_fds", None) >= 3.0);
+    assert!(m("process_start_time_seconds", None) > 1.6e9);
+    assert!(operator.get("/metrics").unwrap().contains("process_cpu_seconds_total"));
+    let text = operator.get("/metrics").unwrap();
+    for lane in ["high", "low"] {
+        assert!(text.contains(&format!("priority=\"{lane}\"")), "no workqueue_depth series for the {lane} lane");
+    }
+    assert!(m("controller_runtime_terminal_reconcile_errors_total", None) >= 1.0);
+    // Reported every 10 s from the cache.
+    eventually("policies are counted by Ready status and reason", || async {
+        let applied = m("traffic_policy_policies", Some("ready=\"True\",reason=\"Applied\""));
+        let invalid = m("traffic_policy_policies", Some("ready=\"False\",reason=\"InvalidSpec\""));
+        (applied == 1.0 && invalid == 1.0).then_some(())
+    })
+    .await;
+}
+
+/// Watch errors by resource, labelling errors, unlabelled policies and 403s, from a replica
+/// whose role lacks the ConfigMap watch and the policy patch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_prometheus_could_not_see_before_show_in_metrics() {
+    let env = TestEnv::new("e2e-metrics-failing").await;
+    let mut limited: ClusterRole = operator_cluster_role();
+    limited.metadata.name = Some("e2e-operator-without-configmap-watch-or-policy-patch".into());
+    for rule in limited.rules.as_mut().unwrap() {
+        let resources = rule.resources.as_ref().unwrap();
+        if resources.contains(&"configmaps".to_string()) {
+            rule.verbs.retain(|v| v != "list" && v != "watch");
+        }
+        if resources.contains(&"applicationtrafficpolicies".to_string()) {
+            rule.verbs.retain(|v| v != "patch");
+        }
+    }
+    Api::<ClusterRole>::all(env.client.clone())
+        .patch(&limited.name_any(), &PatchParams::apply("e2e-tests").force(), &Patch::Apply(&limited))
+        .await
+        .unwrap();
+    let identity = env.operator_identity("limited", Some(vec![Grant::ClusterRole(limited.name_any())])).await;
+    // It watches a namespace of its own, where only its (limited) ClusterRole applies: the
+    // Role of its operator namespace grants ConfigMaps there.
+    let watched = format!("{}-watched", env.namespace);
+    let namespace: Namespace = serde_json::from_value(serde_json::json!({ "metadata": { "name": watched } })).unwrap();
+    Api::<Namespace>::all(env.client.clone()).create(&PostParams::default(), &namespace).await.unwrap();
+    let args = vec![format!("--watch-namespace={watched}"), format!("--namespace={}", env.namespace)];
+    // Never Ready (its ConfigMap watch cannot list), so not waited for.
+    let operator = Operator::spawn(env.cp, &identity.kubeconfig_path, "limited", &args);
+    Api::<ApplicationTrafficPolicy>::namespaced(env.client.clone(), &watched)
+        .create(&PostParams::default(), &policy("unlabelled", 80))
+        .await
+        .unwrap();
+    eventually("watch and labelling errors are counted", || async {
+        let text = operator.get("/metrics").ok()?;
+        let value = |series: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(series))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        (value("traffic_policy_watch_errors_total{resource=\"ConfigMap\"}") >= 1.0
+            && value("traffic_policy_bucket_label_errors_total") >= 1.0
+            && value("traffic_policy_unlabelled_policies") >= 1.0
+            && text.lines().any(|l| l.starts_with("rest_client_requests_total") && l.contains("code=\"403\"")))
+        .then_some(())
+    })
+    .await;
+    assert_eq!(operator.metric("traffic_policy_watch_errors_total", Some("resource=\"NetworkPolicy\"")), 0.0);
+    let readyz = operator.get("/readyz").unwrap();
+    assert!(readyz.contains("waiting for") && readyz.contains("ConfigMap"), "{readyz}");
+    // Failed labellings are retried with backoff, not in a hot loop.
+    let errors = operator.metric("traffic_policy_bucket_label_errors_total", None);
+    assert!(errors < 30.0, "{errors} labelling errors for one policy: retried in a hot loop");
+    let _ = Api::<Namespace>::all(env.client.clone()).delete(&watched, &Default::default()).await;
+}
