@@ -49,6 +49,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             operator_binary: None,
             timeout_seconds: 1800,
             out: args.out.with_file_name(format!("compare-{}.json", label.replace(' ', "-"))),
+            kubeconfig: None,
+            operator_namespace: "traffic-policy-operator".into(),
+            slo: None,
+            namespace_prefix: "load-".into(),
+            run_label: None,
         };
         let result = run::run(run_args).await?;
         eprint!("{}", run::summary(&result));

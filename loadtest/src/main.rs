@@ -4,6 +4,7 @@
 mod at_rest;
 mod cache_bytes;
 mod chart;
+mod cluster;
 mod compare;
 mod fencing_cost;
 mod ownership_cost;
@@ -32,7 +33,7 @@ enum Benchmark {
     /// The per-reconcile cost of the sharding layer's ownership checks.
     OwnershipCost(ownership_cost::Args),
     /// Create policies and measure convergence by the operator (or the API write floor).
-    Run(run::Args),
+    Run(Box<run::Args>),
     /// The write floor, the operator and its peers on the same policies, with the ratios.
     Compare(compare::Args),
 }
@@ -43,7 +44,7 @@ async fn main() {
         Benchmark::CacheBytes(args) => cache_bytes::run(args).await,
         Benchmark::FencingCost(args) => fencing_cost::run(args).await,
         Benchmark::OwnershipCost(args) => ownership_cost::run(args).await,
-        Benchmark::Run(args) => run_and_report(args).await,
+        Benchmark::Run(args) => run_and_report(*args).await,
         Benchmark::Compare(args) => compare::run(args).await,
     };
     if let Err(error) = result {
@@ -54,6 +55,8 @@ async fn main() {
 
 async fn run_and_report(args: run::Args) -> anyhow::Result<()> {
     let out = args.out.clone();
+    // A bad SLO file fails before any object is created.
+    let slo = args.slo.as_deref().map(cluster::Slo::read).transpose()?;
     let result = run::run(args).await?;
     print!("{}", run::summary(&result));
     if let Some(dir) = out.parent() {
@@ -61,5 +64,15 @@ async fn run_and_report(args: run::Args) -> anyhow::Result<()> {
     }
     std::fs::write(&out, serde_json::to_string_pretty(&result)?)?;
     eprintln!("wrote {}", out.display());
+    if let Some(timeout) = result["timeout"].as_str() {
+        anyhow::bail!("{timeout}");
+    }
+    let Some(slo) = slo else { return Ok(()) };
+    let verdicts = slo.judge(&result);
+    for (met, what) in &verdicts {
+        println!("SLO {}: {what}", if *met { "met" } else { "MISSED" });
+    }
+    let missed = verdicts.iter().filter(|(met, _)| !met).count();
+    anyhow::ensure!(missed == 0, "{missed} of {} SLO thresholds missed", verdicts.len());
     Ok(())
 }

@@ -84,14 +84,39 @@ pub struct Args {
     pub timeout_seconds: u64,
     #[arg(long, default_value = "target/loadtest/run.json")]
     pub out: PathBuf,
+    /// Aim at an existing cluster where the operator already runs, instead of starting a
+    /// local control plane: nothing there is started or stopped; the run's own namespaces
+    /// are deleted at the end.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// With --kubeconfig: the operator's namespace, whose pods' metrics give the queue depth.
+    #[arg(long, default_value = "traffic-policy-operator", requires = "kubeconfig")]
+    pub operator_namespace: String,
+    /// Thresholds (YAML: convergence_p99_seconds, max_errors, max_queue_depth); the run
+    /// exits non-zero when one is missed and prints which.
+    #[arg(long)]
+    pub slo: Option<PathBuf>,
+    /// Where the run's namespaces are: this prefix and a number.
+    #[arg(skip = String::from("load-"))]
+    pub namespace_prefix: String,
+    /// The run's id, as a label on its policies (with --kubeconfig).
+    #[arg(skip)]
+    pub run_label: Option<String>,
+}
+
+impl Args {
+    /// The namespace of policy (or namespace) number `i`.
+    pub fn namespace_of(&self, i: usize) -> String {
+        format!("{}{}", self.namespace_prefix, i % self.namespaces)
+    }
 }
 
 /// Per policy: when its latest generation was sent, and when that generation was Ready.
 #[derive(Default)]
-struct Tracker {
+pub struct Tracker {
     sent: HashMap<String, (i64, Instant)>,
-    converged: HashMap<String, (i64, Instant)>,
-    latencies_ms: Vec<f64>,
+    pub converged: HashMap<String, (i64, Instant)>,
+    pub latencies_ms: Vec<f64>,
     deleted: usize,
     /// The latest generation seen Ready, per policy.
     ready: HashMap<String, i64>,
@@ -139,6 +164,9 @@ pub struct Replica {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
+    if args.kubeconfig.is_some() {
+        return crate::cluster::run(args).await;
+    }
     let config = controlplane::Config {
         controller_manager: false,
         apiserver_args: vec!["--max-requests-inflight=800".into(), "--max-mutating-requests-inflight=400".into()],
@@ -160,13 +188,13 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     crate::cache_bytes::install_crd(&client).await?;
     for n in 0..args.namespaces {
         let ns = Namespace {
-            metadata: ObjectMeta { name: Some(format!("load-{n}")), ..Default::default() },
+            metadata: ObjectMeta { name: Some(args.namespace_of(n)), ..Default::default() },
             ..Default::default()
         };
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
     }
     let tracker = Arc::new(Mutex::new(Tracker::default()));
-    let watch = tokio::spawn(track(client.clone(), tracker.clone()));
+    let watch = tokio::spawn(track(client.clone(), tracker.clone(), None));
     let started = Instant::now();
     if args.preload {
         create_all(&client, args, &tracker).await?;
@@ -181,24 +209,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.metrics_port)).collect()));
     let sampler = tokio::spawn(sample_loop(pids.clone(), samples.clone(), started));
 
-    let progress = indicatif::ProgressBar::new(args.objects as u64);
-    progress.set_style(indicatif::ProgressStyle::with_template(
-        "{elapsed_precise} [{bar:40}] {pos}/{len} converged {msg}",
-    )?);
-    let ticker = {
-        let (progress, tracker) = (progress.clone(), tracker.clone());
-        tokio::spawn(async move {
-            loop {
-                let (converged, sent, pending) = {
-                    let t = tracker.lock().unwrap();
-                    (t.converged.len(), t.sent.len(), t.pending())
-                };
-                progress.set_position(converged as u64);
-                progress.set_message(format!("({sent} sent, {pending} pending)"));
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
-    };
+    let ticker = progress(args.objects, tracker.clone())?;
 
     let kill = args.kill_after.map(|after| started + Duration::from_secs_f64(after));
     if !args.preload {
@@ -228,7 +239,6 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         delete_seconds = Some(delete_started.elapsed().as_secs_f64());
     }
     ticker.abort();
-    progress.finish();
     // The cache gauges refresh every 5 s: let the samples catch up with the settled state.
     let settle = Instant::now() + Duration::from_secs(6);
     while Instant::now() < settle && args.mode == Mode::Operator {
@@ -254,10 +264,6 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     }
 
     let tracker = tracker.lock().unwrap();
-    let mut latencies = tracker.latencies_ms.clone();
-    latencies.sort_by(f64::total_cmp);
-    let percentile =
-        |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
     let samples = samples.lock().unwrap().clone();
     let per_replica: Vec<serde_json::Value> = pids
         .lock()
@@ -290,7 +296,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         "edit_latency_ms": edit_percentiles(edit_latencies),
         "at_rest": at_rest,
         "throughput_per_second": args.objects as f64 / converge_seconds,
-        "latency_ms": { "p50": percentile(0.5), "p95": percentile(0.95), "p99": percentile(0.99) },
+        "latency_ms": latency_percentiles(&tracker.latencies_ms),
         "replica_stats": per_replica,
         "samples": samples,
     });
@@ -380,10 +386,41 @@ fn controller_runtime_peer() -> anyhow::Result<PathBuf> {
     Ok(binary)
 }
 
+/// A progress bar of policies converged, kept current until the returned task is aborted
+/// (invisible when stderr is not a terminal).
+pub fn progress(objects: usize, tracker: Arc<Mutex<Tracker>>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let progress = indicatif::ProgressBar::new(objects as u64);
+    progress.set_style(indicatif::ProgressStyle::with_template(
+        "{elapsed_precise} [{bar:40}] {pos}/{len} converged {msg}",
+    )?);
+    Ok(tokio::spawn(async move {
+        loop {
+            let (converged, sent, pending) = {
+                let t = tracker.lock().unwrap();
+                (t.converged.len(), t.sent.len(), t.pending())
+            };
+            progress.set_position(converged as u64);
+            progress.set_message(format!("({sent} sent, {pending} pending)"));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }))
+}
+
+/// p50, p95 and p99 of `latencies` (milliseconds).
+pub fn latency_percentiles(latencies: &[f64]) -> serde_json::Value {
+    let mut latencies = latencies.to_vec();
+    latencies.sort_by(f64::total_cmp);
+    let percentile =
+        |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    json!({ "p50": percentile(0.5), "p95": percentile(0.95), "p99": percentile(0.99) })
+}
+
 fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTrafficPolicy> {
+    let labels: std::collections::BTreeMap<&str, &str> =
+        args.run_label.iter().map(|id| (crate::cluster::RUN_LABEL, id.as_str())).collect();
     Ok(serde_json::from_value(json!({
         "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
-        "metadata": { "name": format!("app-{i}"), "namespace": format!("load-{}", i % args.namespaces) },
+        "metadata": { "name": format!("app-{i}"), "namespace": args.namespace_of(i), "labels": labels },
         "spec": {
             "applicationSelector": { "matchLabels": { "app": format!("app-{i}") } },
             "ingressRules": [{ "from": [{ "ipBlock": { "cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"] } }],
@@ -394,7 +431,7 @@ fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTraffic
     }))?)
 }
 
-async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
+pub async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
     futures::stream::iter(0..args.objects)
         .map(|i| {
             let (client, tracker) = (client.clone(), tracker.clone());
@@ -416,11 +453,15 @@ async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>)
 }
 
 /// Single edits during the backlog, each waited for: their latencies (ms).
-async fn edit_during_backlog(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<Vec<f64>> {
+pub async fn edit_during_backlog(
+    client: &Client,
+    args: &Args,
+    tracker: &Arc<Mutex<Tracker>>,
+) -> anyhow::Result<Vec<f64>> {
     let mut latencies = Vec::new();
     for n in 0..args.edits {
         let i = (n * 7919) % args.objects; // spread over namespaces and over the backlog
-        let namespace = format!("load-{}", i % args.namespaces);
+        let namespace = args.namespace_of(i);
         let key = format!("{namespace}/app-{i}");
         let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
         let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": 1000 + n } } });
@@ -442,7 +483,7 @@ async fn edit_during_backlog(client: &Client, args: &Args, tracker: &Arc<Mutex<T
     Ok(latencies)
 }
 
-fn edit_percentiles(mut latencies: Vec<f64>) -> serde_json::Value {
+pub fn edit_percentiles(mut latencies: Vec<f64>) -> serde_json::Value {
     if latencies.is_empty() {
         return serde_json::Value::Null;
     }
@@ -456,7 +497,7 @@ async fn delete_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>)
         .map(|i| {
             let client = client.clone();
             async move {
-                let namespace = format!("load-{}", i % args.namespaces);
+                let namespace = args.namespace_of(i);
                 let api = Api::<ApplicationTrafficPolicy>::namespaced(client, &namespace);
                 api.delete(&format!("app-{i}"), &Default::default()).await?;
                 anyhow::Ok(())
@@ -478,7 +519,7 @@ async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<M
         .map(|i| {
             let (client, tracker) = (client.clone(), tracker.clone());
             async move {
-                let namespace = format!("load-{}", i % args.namespaces);
+                let namespace = args.namespace_of(i);
                 let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
                 let patch = json!({ "spec": { "ingressRules": [{ "ports": [{ "protocol": "TCP", "port": 9090 }] }] } });
                 tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 2);
@@ -525,9 +566,24 @@ async fn wait_converged(
     }
 }
 
-async fn track(client: Client, tracker: Arc<Mutex<Tracker>>) {
+/// Waits until every policy sent has converged, or `--timeout-seconds` passes.
+pub async fn wait_pending(tracker: &Arc<Mutex<Tracker>>, args: &Args) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_seconds);
+    while tracker.lock().unwrap().pending() > 0 {
+        anyhow::ensure!(Instant::now() < deadline, "not converged after {} s", args.timeout_seconds);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// Feeds `tracker` from a watch of the policies (those `labels` selects, if given).
+pub async fn track(client: Client, tracker: Arc<Mutex<Tracker>>, labels: Option<String>) {
     let api = Api::<ApplicationTrafficPolicy>::all(client);
-    let mut events = watcher(api, watcher::Config::default()).boxed();
+    let config = match &labels {
+        Some(labels) => watcher::Config::default().labels(labels),
+        None => watcher::Config::default(),
+    };
+    let mut events = watcher(api, config).boxed();
     while let Some(event) = events.next().await {
         match event {
             Ok(watcher::Event::Apply(policy) | watcher::Event::InitApply(policy)) => {
@@ -565,6 +621,24 @@ async fn sample_loop(pids: Watched, samples: Arc<Mutex<Vec<Sample>>>, started: I
 
 /// The text summary of one result.
 pub fn summary(result: &serde_json::Value) -> String {
+    if result["mode"] == "cluster" {
+        return format!(
+            "run {} on the cluster: {} of {} policies converged in {:.1} s; latency p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms; \
+             {} not Ready; deepest high-priority queue {}\n",
+            result["run"].as_str().unwrap_or_default(),
+            result["converged"],
+            result["objects"],
+            result["convergence_seconds"].as_f64().unwrap_or_default(),
+            result["latency_ms"]["p50"].as_f64().unwrap_or_default(),
+            result["latency_ms"]["p95"].as_f64().unwrap_or_default(),
+            result["latency_ms"]["p99"].as_f64().unwrap_or_default(),
+            result["errors"],
+            match result["max_queue_depth"].as_f64() {
+                Some(depth) => depth.to_string(),
+                None => format!("unknown ({})", result["queue_depth_error"].as_str().unwrap_or("no sample")),
+            },
+        );
+    }
     let mut text = format!(
         "{} mode, {} policies in {} namespaces, {} replicas: converged {} in {:.1} s ({:.0}/s); latency p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms\n",
         result["mode"].as_str().unwrap_or_default(),

@@ -88,12 +88,14 @@ impl MemberLease {
     async fn cycle(&self) {
         let started = Instant::now();
         match tokio::time::timeout(self.config.renew_deadline, self.renew()).await.unwrap_or(Err(RenewError::Timeout)) {
-            Ok(()) => {}
+            Ok(()) => m::count_lease_renewal("renewed"),
             Err(error @ RenewError::HeldByOther(_)) => {
+                m::count_lease_renewal("held_by_other");
                 tracing::warn!(%error, incarnation = %self.config.incarnation, "waiting for the member lease");
                 return;
             }
             Err(error) => {
+                m::count_lease_renewal("failed");
                 tracing::warn!(%error, "renewing the member lease failed");
                 return;
             }

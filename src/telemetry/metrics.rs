@@ -80,6 +80,10 @@ fn describe() {
         "traffic_policy_lease_held",
         "1 while a renewal cycle has confirmed this replica's right to write."
     );
+    describe_counter!(
+        "traffic_policy_lease_renewals_total",
+        "Attempts to renew the member Lease, by result (renewed, held_by_other, failed)."
+    );
     describe_gauge!("leader_election_master_status", "1 while this replica is the leader.");
     describe_gauge!("traffic_policy_members_alive", "Replicas this replica sees alive, from observed lease renewals.");
     describe_gauge!("traffic_policy_buckets_owned", "Namespace buckets this replica owns.");
@@ -100,6 +104,11 @@ fn describe() {
 /// Sharding gauges and counters.
 pub fn set_lease_held(held: bool) {
     gauge!("traffic_policy_lease_held").set(if held { 1.0 } else { 0.0 });
+}
+
+/// One attempt to renew the member Lease: `renewed`, `held_by_other` or `failed`.
+pub fn count_lease_renewal(result: &'static str) {
+    counter!("traffic_policy_lease_renewals_total", "result" => result).increment(1);
 }
 
 pub fn set_leader(leading: bool) {

@@ -1,7 +1,8 @@
 //! The queue-depth alert, live: a real Prometheus scrapes two operator replicas on the real
 //! control plane and evaluates deploy/'s alert rules. The rule is the shipped one with its
 //! threshold and `for` shortened to fit a test. Two cases: a restart's backlog (the initial
-//! list, in the low lane) must page no one; a burst of edits (the high lane) must.
+//! list, in the low lane) must page no one; a burst of edits (the high lane) must. Then
+//! every expression of the Grafana dashboard is run against the same Prometheus.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -130,10 +131,20 @@ async fn the_queue_depth_alert_fires_on_edits_and_not_on_a_restart_backlog() {
     // replicas start, so Prometheus watches from the first moment.
     let ports: Vec<(u16, u16)> =
         (0..2).map(|_| (controlplane::free_port().unwrap(), controlplane::free_port().unwrap())).collect();
-    let targets: Vec<String> = ports.iter().map(|(metrics, _)| format!("'127.0.0.1:{metrics}'")).collect();
+    // The job name the rules select, and the labels a ServiceMonitor's scrape would attach.
+    let targets: Vec<String> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (metrics, _))| {
+            format!(
+                "{{ targets: ['127.0.0.1:{metrics}'], labels: {{ namespace: '{}', pod: 'alerts-{i}' }} }}",
+                env.namespace
+            )
+        })
+        .collect();
     let config = format!(
         "global: {{ scrape_interval: 1s, evaluation_interval: 1s }}\nrule_files: [rules.yaml]\n\
-         scrape_configs:\n  - job_name: traffic-policy-operator\n    static_configs: [{{ targets: [{}] }}]\n",
+         scrape_configs:\n  - job_name: traffic-policy-operator-metrics\n    static_configs: [{}]\n",
         targets.join(", ")
     );
     std::fs::write(dir.join("prometheus.yml"), config).unwrap();
@@ -191,6 +202,39 @@ async fn the_queue_depth_alert_fires_on_edits_and_not_on_a_restart_backlog() {
     .await;
     assert!(alert.contains(&"firing".to_string()));
     common::eventually("the edits drain completely", || async move { (lane("high") == 0.0).then_some(()) }).await;
+
+    // 3. The dashboard, against the same Prometheus: every expression parses and has data.
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/traffic-policy-operator.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let mut checked = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            // Grafana's variables, as it would fill them in.
+            let query = expr.replace("$namespace", &env.namespace).replace("$__rate_interval", "5m");
+            let response =
+                controlplane::http_get_plain(port, &format!("/api/v1/query?query={}", percent_encode(&query))).unwrap();
+            let body: serde_json::Value = serde_json::from_str(response.split_once("\r\n\r\n").unwrap().1).unwrap();
+            assert_eq!(body["status"], "success", "{}: {expr}: {body}", panel["title"]);
+            let series = body["data"]["result"].as_array().map_or(0, Vec::len);
+            assert!(series > 0, "{}: no data for {expr}", panel["title"]);
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "only {checked} dashboard expressions");
+}
+
+/// Percent-encoding for a URL query value (RFC 3986 unreserved characters pass).
+fn percent_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 fn which(program: &str) -> std::path::PathBuf {

@@ -75,6 +75,7 @@ async fn the_kustomization_passes_a_server_side_dry_run_without_pod_security_war
         "prometheusrule.monitoring.coreos.com/traffic-policy-operator",
         "servicemonitor.monitoring.coreos.com/traffic-policy-operator",
         "networkpolicy.networking.k8s.io/traffic-policy-operator-metrics",
+        "configmap/traffic-policy-operator-dashboard",
     ] {
         assert!(out.contains(&format!("{object} created (server dry run)")), "{object} missing from: {out}");
     }
@@ -115,7 +116,7 @@ fn alert_rules_pass_promtool_unit_tests() {
         assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
         text
     };
-    assert!(run(&["check", "rules", "alerts.yaml"]).contains("SUCCESS: 7 rules found"));
+    assert!(run(&["check", "rules", "alerts.yaml"]).contains("SUCCESS: 14 rules found"));
     assert!(run(&["test", "rules", "alerts_test.yaml"]).contains("SUCCESS"));
 }
 
@@ -399,4 +400,47 @@ async fn metrics_can_be_served_over_https() {
     // Plain HTTP gets no metrics.
     let plain = controlplane::http_get_plain(operator.metrics_port, "/metrics").unwrap_or_default();
     assert!(!plain.contains("traffic_policy_lease_held"), "metrics served over plain HTTP too");
+}
+
+/// Every alert has a description and a runbook in docs/operations.md, and the monitoring
+/// overlay points every runbook_url at the base URL it names in one place: a copy of the
+/// overlay with another URL there moves all of them.
+#[test]
+fn every_alert_has_a_runbook_whose_url_the_overlay_sets_in_one_place() {
+    let overlay = std::fs::read_to_string(repo("deploy/overlays/monitoring/kustomization.yaml")).unwrap();
+    let ours =
+        "runbooks=https://github.com/traffic-policy-operator/traffic-policy-operator/blob/main/docs/operations.md";
+    assert!(overlay.contains(ours), "the overlay names the runbooks' URL in a literal");
+    // A copy elsewhere, with its paths made relative to there and another URL.
+    let dir = std::env::temp_dir().join(format!("tpo-overlay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let up = "../".repeat(dir.components().count() - 1);
+    let deploy = format!("{up}{}/deploy/", REPO.trim_start_matches('/'));
+    let copy = overlay.replace("../../", &deploy).replace(ours, "runbooks=https://runbooks.example/ops.md");
+    std::fs::write(dir.join("kustomization.yaml"), copy).unwrap();
+    let out = Command::new("kubectl").arg("kustomize").arg(&dir).output().expect("kubectl runs");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let rendered = String::from_utf8(out.stdout).unwrap();
+    let rule = serde_yaml::Deserializer::from_str(&rendered)
+        .map(|doc| serde_yaml::Value::deserialize(doc).unwrap())
+        .find(|doc| doc["kind"] == "PrometheusRule")
+        .expect("the overlay renders the PrometheusRule");
+    let operations = std::fs::read_to_string(repo("docs/operations.md")).unwrap();
+    let rules = rule["spec"]["groups"][0]["rules"].as_sequence().unwrap();
+    assert!(rules.len() >= 14);
+    for rule in rules {
+        let alert = rule["alert"].as_str().unwrap();
+        let annotations = &rule["annotations"];
+        assert_eq!(
+            annotations["runbook_url"].as_str(),
+            Some(format!("https://runbooks.example/ops.md#{}", alert.to_lowercase()).as_str())
+        );
+        // Templated with the pod, the namespace or the value, except where there is none (absent()).
+        let description = annotations["description"].as_str().unwrap_or_default();
+        let absent = rule["expr"].as_str().unwrap_or_default().starts_with("absent(");
+        assert!(description.contains("{{") || (absent && !description.is_empty()), "{alert}: no templated description");
+        assert!(operations.contains(&format!("\n### {alert}\n")), "{alert} has no runbook in docs/operations.md");
+    }
 }
