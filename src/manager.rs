@@ -114,7 +114,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (store, writer) = reflector::store();
     tokio::spawn(report_policies(store.clone()));
     let policies = watch::retargetable(api(&client, &args), None, selector.clone());
-    let primary = watch::primary(policies, crate::reconcile::trim_for_cache, writer);
+    let primary =
+        watch::primary(policies, crate::reconcile::trim_for_cache, crate::reconcile::labelled_from_backlog, writer);
     let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
     let children = vec![

@@ -487,9 +487,10 @@ pub fn edit_percentiles(mut latencies: Vec<f64>) -> serde_json::Value {
     if latencies.is_empty() {
         return serde_json::Value::Null;
     }
+    let each = latencies.clone();
     latencies.sort_by(f64::total_cmp);
     let at = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
-    json!({ "count": latencies.len(), "p50": at(0.5), "p99": at(0.99), "max": at(1.0) })
+    json!({ "count": latencies.len(), "p50": at(0.5), "p99": at(0.99), "max": at(1.0), "each_in_order": each })
 }
 
 async fn delete_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {

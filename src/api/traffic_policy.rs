@@ -1,5 +1,6 @@
 use std::borrow::Cow;
 
+pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Serialize};
@@ -177,9 +178,10 @@ pub struct ApplicationTrafficPolicyStatus {
     /// The metadata.generation that the conditions describe.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// The policy's conditions; `Ready` says whether its objects are in place.
+    /// The policy's conditions (metav1.Condition, one per type); `Ready` says whether its
+    /// objects are in place.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 8))]
+    #[schemars(length(max = 8), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     /// The fencing epoch of the replica that last wrote this status. A write carrying a
     /// lower one is refused when the fencing policy is installed.
@@ -187,32 +189,29 @@ pub struct ApplicationTrafficPolicyStatus {
     pub shard_epoch: Option<u64>,
 }
 
-/// A status condition, as in metav1.Condition.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Condition {
-    /// The condition's type, e.g. Ready.
-    #[serde(rename = "type")]
-    pub type_: String,
-    /// True, False or Unknown.
-    pub status: ConditionStatus,
-    /// A CamelCase reason for the status.
-    pub reason: String,
-    /// A human-readable explanation.
-    pub message: String,
-    /// When the status last changed (RFC 3339).
-    pub last_transition_time: String,
-    /// The metadata.generation this condition was computed from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
-}
-
-/// The status of a condition.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+/// The status of a condition, as metav1.Condition spells it in `status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConditionStatus {
     True,
     False,
     Unknown,
+}
+
+impl ConditionStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::True => "True",
+            Self::False => "False",
+            Self::Unknown => "Unknown",
+        }
+    }
+}
+
+/// So that `condition.status == ConditionStatus::True` reads as it means.
+impl PartialEq<ConditionStatus> for String {
+    fn eq(&self, other: &ConditionStatus) -> bool {
+        self == other.as_str()
+    }
 }
 
 fn match_labels_schema(_: &mut SchemaGenerator) -> Schema {

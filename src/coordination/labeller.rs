@@ -20,7 +20,7 @@ use tokio_util::time::DelayQueue;
 
 use crate::api::ApplicationTrafficPolicy;
 use crate::runtime::backoff::Backoff;
-use crate::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
+use crate::sharding::bucket::{BACKLOG_ANNOTATION, BUCKET_LABEL, bucket_of, label_value};
 use crate::telemetry::metrics as m;
 
 type Key = (String, String);
@@ -77,9 +77,9 @@ async fn label_pending(client: &Client, pending: &watch::Sender<Pending>) {
             batch
         };
         m::set_unlabelled(pending.borrow().len() + batch.len() + retries.len());
-        let results = join_all(batch.iter().map(|key| label(client, key))).await;
+        let results = join_all(batch.iter().map(|(key, lane)| label(client, key, *lane))).await;
         let mut retry_after = None;
-        for (key, result) in batch.into_iter().zip(results) {
+        for ((key, _), result) in batch.into_iter().zip(results) {
             match result {
                 Labelled::Done => retries.forget(&key),
                 Labelled::Throttled(after) => {
@@ -105,9 +105,17 @@ enum Labelled {
     Failed,
 }
 
-async fn label(client: &Client, (namespace, name): &Key) -> Labelled {
+/// Labels one policy. One from the backlog also gets [`BACKLOG_ANNOTATION`], so that the
+/// replica that sees it appear queues it behind real changes.
+async fn label(client: &Client, (namespace, name): &Key, lane: Lane) -> Labelled {
     let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
-    let patch = serde_json::json!({ "metadata": { "labels": { BUCKET_LABEL: label_value(bucket_of(namespace)) } } });
+    let labels = serde_json::json!({ BUCKET_LABEL: label_value(bucket_of(namespace)) });
+    let patch = match lane {
+        Lane::Fresh => serde_json::json!({ "metadata": { "labels": labels } }),
+        Lane::Backlog => {
+            serde_json::json!({ "metadata": { "labels": labels, "annotations": { BACKLOG_ANNOTATION: "true" } } })
+        }
+    };
     match api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
         Ok(_) => {
             m::count_bucket_label();
@@ -162,15 +170,15 @@ impl Pending {
         self.queued.remove(key);
     }
 
-    /// Up to `n` keys, fresh ones first.
-    fn take(&mut self, n: usize) -> Vec<Key> {
+    /// Up to `n` keys, fresh ones first, with the lane each came from.
+    fn take(&mut self, n: usize) -> Vec<(Key, Lane)> {
         let mut taken = Vec::with_capacity(n);
         for (deque, lane) in [(&mut self.fresh, Lane::Fresh), (&mut self.backlog, Lane::Backlog)] {
             while taken.len() < n {
                 let Some(key) = deque.pop_front() else { break };
                 if self.queued.get(&key) == Some(&lane) {
                     self.queued.remove(&key);
-                    taken.push(key);
+                    taken.push((key, lane));
                 }
             }
         }
@@ -272,7 +280,8 @@ mod tests {
         q.push(k("c"), Lane::Fresh); // edited while still waiting in the backlog
         q.push(k("new"), Lane::Fresh);
         assert_eq!(q.len(), 4, "each key once");
-        assert_eq!(q.take(3), vec![k("new"), k("c"), k("a")]);
+        let taken: Vec<Key> = q.take(3).into_iter().map(|(key, _)| key).collect();
+        assert_eq!(taken, vec![k("new"), k("c"), k("a")]);
         q.remove(&k("b"));
         assert!(q.is_empty(), "deleted while waiting");
         assert!(q.take(10).is_empty(), "copies left behind in the backlog are skipped");

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::Request;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -25,7 +26,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::api::ApplicationTrafficPolicy;
+use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, CONTENT_ANNOTATION, ChildVersions, content_hash};
 use crate::runtime::gate::{FENCE_ANNOTATION, GatedReconciler, WriteGate, bounded, with_server_timeout};
@@ -43,6 +44,11 @@ pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 /// policy, so every field counts): managed fields, annotations, the creation timestamp,
 /// and labels. The bucket label is kept only when it differs from the one the namespace
 /// implies (set by hand), since the bucket otherwise follows from the namespace.
+/// Whether the leader labelled `policy` from its backlog (read before the trim drops it).
+pub fn labelled_from_backlog(policy: &ApplicationTrafficPolicy) -> bool {
+    policy.annotations().contains_key(bucket::BACKLOG_ANNOTATION)
+}
+
 pub fn trim_for_cache(policy: &mut ApplicationTrafficPolicy) {
     crate::runtime::watch::trim(policy);
     let implied = bucket::label_value(bucket::bucket_of(&policy.namespace().unwrap_or_default()));
@@ -135,7 +141,8 @@ impl TrafficPolicyReconciler {
         outcome: &Outcome,
         gate: &dyn WriteGate,
     ) -> Result<()> {
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        // Whole seconds, as the API server keeps metav1.Time.
+        let now = Time(Timestamp::from_second(Timestamp::now().as_second()).expect("now is in range"));
         let mut next = status::next_status(policy.status.as_ref(), policy.meta().generation, outcome, &now);
         // Unchanged: nothing to write, even when a previous owner's epoch is on it (see
         // docs/sharding.md, "Fencing without rewrites").

@@ -3,7 +3,7 @@
 //! `lastTransitionTime` moves only when a condition's status changes, so a status that
 //! says the same thing compares equal and is not written again.
 
-use crate::api::{ApplicationTrafficPolicy, ApplicationTrafficPolicyStatus, Condition, ConditionStatus};
+use crate::api::{ApplicationTrafficPolicy, ApplicationTrafficPolicyStatus, Condition, ConditionStatus, Time};
 
 pub const READY: &str = "Ready";
 
@@ -48,12 +48,7 @@ pub fn ready_tally<'a>(policies: impl IntoIterator<Item = &'a ApplicationTraffic
         let ready = policy.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
         let state = match ready {
             Some(c) if c.observed_generation == policy.metadata.generation => {
-                let status = match c.status {
-                    ConditionStatus::True => "True",
-                    ConditionStatus::False => "False",
-                    ConditionStatus::Unknown => "Unknown",
-                };
-                READY_STATES.iter().position(|&(s, r)| s == status && r == c.reason).unwrap_or(4)
+                READY_STATES.iter().position(|&(s, r)| s == c.status && r == c.reason).unwrap_or(4)
             }
             _ => 3,
         };
@@ -67,17 +62,17 @@ pub fn next_status(
     current: Option<&ApplicationTrafficPolicyStatus>,
     generation: Option<i64>,
     outcome: &Outcome,
-    now_rfc3339: &str,
+    now: &Time,
 ) -> ApplicationTrafficPolicyStatus {
     let (status, reason, message) = outcome.condition();
     let previous = current.and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
     let last_transition_time = match previous {
         Some(p) if p.status == status => p.last_transition_time.clone(),
-        _ => now_rfc3339.to_string(),
+        _ => now.clone(),
     };
     let ready = Condition {
         type_: READY.into(),
-        status,
+        status: status.as_str().into(),
         reason: reason.into(),
         message: truncate(&message, 1024),
         last_transition_time,
@@ -101,65 +96,69 @@ fn truncate(message: &str, max_chars: usize) -> String {
 mod tests {
     use super::*;
 
+    fn at(rfc3339: &str) -> Time {
+        Time(rfc3339.parse().unwrap())
+    }
+
     const T1: &str = "2026-01-01T00:00:00Z";
     const T2: &str = "2026-01-01T00:05:00Z";
 
     #[test]
     fn first_status_is_stamped_now() {
-        let s = next_status(None, Some(1), &Outcome::Applied, T1);
+        let s = next_status(None, Some(1), &Outcome::Applied, &at(T1));
         assert_eq!(s.observed_generation, Some(1));
         let ready = &s.conditions[0];
         assert_eq!(
-            (ready.status, ready.reason.as_str(), ready.last_transition_time.as_str()),
-            (ConditionStatus::True, "Applied", T1)
+            (ready.status.as_str(), ready.reason.as_str(), &ready.last_transition_time),
+            (ConditionStatus::True.as_str(), "Applied", &at(T1))
         );
     }
 
     #[test]
     fn same_status_keeps_transition_time_and_compares_equal() {
-        let first = next_status(None, Some(1), &Outcome::Applied, T1);
-        let again = next_status(Some(&first), Some(1), &Outcome::Applied, T2);
+        let first = next_status(None, Some(1), &Outcome::Applied, &at(T1));
+        let again = next_status(Some(&first), Some(1), &Outcome::Applied, &at(T2));
         assert_eq!(again, first, "nothing changed, so nothing to write");
     }
 
     #[test]
     fn new_generation_advances_observed_generation_but_not_transition_time() {
-        let first = next_status(None, Some(1), &Outcome::Applied, T1);
-        let next = next_status(Some(&first), Some(2), &Outcome::Applied, T2);
+        let first = next_status(None, Some(1), &Outcome::Applied, &at(T1));
+        let next = next_status(Some(&first), Some(2), &Outcome::Applied, &at(T2));
         assert_eq!(next.observed_generation, Some(2));
         assert_eq!(next.conditions[0].observed_generation, Some(2));
-        assert_eq!(next.conditions[0].last_transition_time, T1);
+        assert_eq!(next.conditions[0].last_transition_time, at(T1));
     }
 
     #[test]
     fn status_change_moves_transition_time() {
-        let ok = next_status(None, Some(1), &Outcome::Applied, T1);
-        let bad = next_status(Some(&ok), Some(2), &Outcome::InvalidSpec("spec.x: bad".into()), T2);
+        let ok = next_status(None, Some(1), &Outcome::Applied, &at(T1));
+        let bad = next_status(Some(&ok), Some(2), &Outcome::InvalidSpec("spec.x: bad".into()), &at(T2));
         let ready = &bad.conditions[0];
         assert_eq!(
-            (ready.status, ready.reason.as_str(), ready.message.as_str()),
-            (ConditionStatus::False, "InvalidSpec", "spec.x: bad")
+            (ready.status.as_str(), ready.reason.as_str(), ready.message.as_str()),
+            ("False", "InvalidSpec", "spec.x: bad")
         );
-        assert_eq!(ready.last_transition_time, T2);
+        assert_eq!(ready.last_transition_time, at(T2));
         // False -> False with another reason is not a transition.
         let failed =
-            next_status(Some(&bad), Some(2), &Outcome::ApplyFailed("forbidden".into()), "2026-01-01T00:09:00Z");
-        assert_eq!(failed.conditions[0].last_transition_time, T2);
+            next_status(Some(&bad), Some(2), &Outcome::ApplyFailed("forbidden".into()), &at("2026-01-01T00:09:00Z"));
+        assert_eq!(failed.conditions[0].last_transition_time, at(T2));
         assert_eq!(failed.conditions[0].reason, "ApplyFailed");
     }
 
     #[test]
     fn other_conditions_are_kept() {
-        let mut current = next_status(None, Some(1), &Outcome::Applied, T1);
+        let mut current = next_status(None, Some(1), &Outcome::Applied, &at(T1));
         current.conditions.push(Condition {
             type_: "Audited".into(),
-            status: ConditionStatus::Unknown,
+            status: ConditionStatus::Unknown.as_str().into(),
             reason: "Pending".into(),
             message: String::new(),
-            last_transition_time: T1.into(),
+            last_transition_time: at(T1),
             observed_generation: None,
         });
-        let next = next_status(Some(&current), Some(1), &Outcome::Applied, T2);
+        let next = next_status(Some(&current), Some(1), &Outcome::Applied, &at(T2));
         assert_eq!(next.conditions.len(), 2);
         assert_eq!(next.conditions[1].type_, "Audited");
     }

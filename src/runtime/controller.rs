@@ -96,7 +96,7 @@ where
     /// `primary` must be the stream that feeds `store`.
     pub async fn run<R: Reconciler<K>>(
         self,
-        primary: impl Stream<Item = watcher::Event<K>> + Send + 'static,
+        primary: impl Stream<Item = (watcher::Event<K>, bool)> + Send + 'static,
         children: Vec<BoxStream<'static, ChildEvent>>,
         selector: Selector,
         child_versions: Arc<ChildVersions>,
@@ -140,7 +140,7 @@ where
     /// an object in the cache may be early (the relist that brings it has not completed).
     async fn feed_primary<R: Reconciler<K>>(
         self: Arc<Self>,
-        primary: impl Stream<Item = watcher::Event<K>> + Send,
+        primary: impl Stream<Item = (watcher::Event<K>, bool)> + Send,
         selector: Selector,
         reconciler: Arc<R>,
     ) {
@@ -152,7 +152,8 @@ where
         // here until then: a worker must find the object it is handed.
         let mut relisted: Vec<(ObjectKey, Sight)> = Vec::new();
         let mut primary = std::pin::pin!(primary);
-        while let Some(event) = primary.next().await {
+        // Each event comes with whether its object was labelled from the leader's backlog.
+        while let Some((event, backlog)) = primary.next().await {
             match event {
                 // Keys of an interrupted list stay in `relisted`: the predicate has recorded
                 // them, so the next list would not report them again.
@@ -193,8 +194,12 @@ where
                 }
                 watcher::Event::Apply(object) => {
                     let key = ObjectKey::of(&object);
-                    if predicate.changed(&key, object.meta().uid.as_deref(), object.meta().generation) {
-                        self.queue.add(key, Priority::High);
+                    match predicate.observe(&key, object.meta().uid.as_deref(), object.meta().generation) {
+                        Sight::Same => {}
+                        // First seen through a watch event because it was labelled late, from
+                        // a backlog nobody waits on (as after a preload): behind real changes.
+                        Sight::New if backlog => self.queue.add(key, Priority::Low),
+                        _ => self.queue.add(key, Priority::High),
                     }
                 }
                 watcher::Event::Delete(object) => {
@@ -412,7 +417,7 @@ mod tests {
         for event in &events {
             writer.apply_watcher_event(event);
         }
-        let primary = futures::stream::iter(events).chain(futures::stream::pending());
+        let primary = futures::stream::iter(events.into_iter().map(|e| (e, false))).chain(futures::stream::pending());
         let settings = Settings {
             name: "test",
             workers: 1,

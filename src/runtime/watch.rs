@@ -6,8 +6,9 @@
 //! of it; the cache is replaced when the list completes). With no selector, the watch is an
 //! empty list. Both retry with kube-runtime's default backoff and relist after `410 Gone`.
 
+use std::collections::HashSet;
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
@@ -96,26 +97,47 @@ where
 }
 
 /// Watch events of the primary resource, applied to `writer`'s cache as they pass, each
-/// object passed through `trim` first (see [`trim`] for what any resource can lose).
+/// object passed through `trim` first (see [`trim`] for what any resource can lose). Each
+/// event comes with what `is_backlog` said of its object before the trim (a hint the cache
+/// need not keep; see [`super::controller`] for its use).
 pub fn primary<K>(
     events: Tagged<K>,
     trim: fn(&mut K),
+    is_backlog: fn(&K) -> bool,
     writer: Writer<K>,
-) -> impl Stream<Item = watcher::Event<K>> + Send
+) -> impl Stream<Item = (watcher::Event<K>, bool)> + Send
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
-    let events = events.map(|(_, event)| event);
+    // Keys whose event said "backlog", from before the trim to after the reflector.
+    let hinted = Arc::new(Mutex::new(HashSet::new()));
+    let noted = hinted.clone();
+    let events = events.map(move |(_, event)| {
+        if let Ok(watcher::Event::Apply(object)) = &event
+            && is_backlog(object)
+        {
+            noted.lock().unwrap().insert(ObjectKey::of(object));
+        }
+        event
+    });
     reflector::reflector(writer, events.modify(trim)).filter_map(move |event| {
-        let kind = kind.clone();
+        let (kind, hinted) = (kind.clone(), hinted.clone());
         async move {
-            event
-                .map_err(|error| {
+            match event {
+                Ok(event) => {
+                    let backlog = match &event {
+                        watcher::Event::Apply(object) => hinted.lock().unwrap().remove(&ObjectKey::of(object)),
+                        _ => false,
+                    };
+                    Some((event, backlog))
+                }
+                Err(error) => {
                     metrics::count_watch_error(&kind);
-                    tracing::warn!(%kind, %error, "watch failed; retrying with backoff")
-                })
-                .ok()
+                    tracing::warn!(%kind, %error, "watch failed; retrying with backoff");
+                    None
+                }
+            }
         }
     })
 }

@@ -10,6 +10,11 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// The number of buckets. Enough for tight balance with up to a few dozen replicas; few
 /// enough that one replica's label selector stays a few kilobytes.
+/// Set by the leader, with the bucket label, on a policy it labels from its backlog (the list
+/// of unlabelled policies, as after a preload) rather than from a watch event: nobody waits
+/// on it, so the replica that sees it appear queues it behind real changes.
+pub const BACKLOG_ANNOTATION: &str = "trafficpolicy.dev/labelled-from-backlog";
+
 pub const BUCKETS: u16 = 1024;
 
 /// The label holding an object's bucket.

@@ -170,3 +170,32 @@ async fn invalid_policies_are_rejected_with_the_field_named() {
     }
     assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
 }
+
+/// Conditions are metav1.Conditions in a list keyed by type: a second condition of one type
+/// and a time that is not RFC 3339 are refused, naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conditions_are_keyed_by_type_and_times_are_checked() {
+    use kube::api::{Patch, PatchParams};
+    let env = TestEnv::new("e2e-conditions").await;
+    let policies = env.api::<traffic_policy_operator::api::ApplicationTrafficPolicy>();
+    let policy = serde_json::from_value(json!({
+        "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+        "metadata": { "name": "conditions" }, "spec": valid_spec()
+    }))
+    .unwrap();
+    policies.create(&PostParams::default(), &policy).await.unwrap();
+    let condition = |time: &str| json!({ "type": "Ready", "status": "True", "reason": "Applied", "message": "", "lastTransitionTime": time });
+    let status = |conditions: Value| json!({ "status": { "conditions": conditions } });
+    let refused = |result: kube::Result<_>| match result {
+        Err(kube::Error::Api(status)) if status.code == 422 => status.message,
+        other => panic!("expected a 422, got {other:?}"),
+    };
+    let twice = status(json!([condition("2026-01-01T00:00:00Z"), condition("2026-01-01T00:00:00Z")]));
+    let message = refused(policies.patch_status("conditions", &PatchParams::default(), &Patch::Merge(&twice)).await);
+    assert!(message.contains("status.conditions[1]: Duplicate value"), "{message}");
+    let bad_time = status(json!([condition("yesterday")]));
+    let message = refused(policies.patch_status("conditions", &PatchParams::default(), &Patch::Merge(&bad_time)).await);
+    assert!(message.contains("status.conditions[0].lastTransitionTime"), "{message}");
+    let good = status(json!([condition("2026-01-01T00:00:00Z")]));
+    policies.patch_status("conditions", &PatchParams::default(), &Patch::Merge(&good)).await.unwrap();
+}
