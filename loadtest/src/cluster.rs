@@ -16,7 +16,7 @@ use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use serde::Deserialize;
 use serde_json::json;
-use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::api::ApplicationTrafficPolicy;
 
 use crate::run::{self, Args, Tracker};
 
@@ -128,13 +128,7 @@ async fn drive(client: &Client, args: &Args, id: &str) -> anyhow::Result<serde_j
     let listed = Api::<ApplicationTrafficPolicy>::all(client.clone())
         .list(&ListParams::default().labels(&format!("{RUN_LABEL}={id}")))
         .await?;
-    let ready = |p: &ApplicationTrafficPolicy| {
-        p.status.as_ref().is_some_and(|s| {
-            s.observed_generation == p.metadata.generation
-                && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
-        })
-    };
-    let not_ready: Vec<String> = listed.items.iter().filter(|p| !ready(p)).map(|p| p.name_any()).collect();
+    let not_ready: Vec<String> = listed.items.iter().filter(|p| !p.is_ready()).map(|p| p.name_any()).collect();
     let errors = not_ready.len() + args.objects.saturating_sub(listed.items.len());
     let tracker = tracker.lock().unwrap();
     let depth = depth.lock().unwrap();

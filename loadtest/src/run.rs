@@ -18,7 +18,7 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::FIELD_MANAGER;
 
 use crate::sample::{self, Sample};
@@ -135,10 +135,7 @@ impl Tracker {
     fn observed(&mut self, policy: &ApplicationTrafficPolicy) {
         let key = format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any());
         let generation = policy.metadata.generation.unwrap_or(0);
-        let ready = policy.status.as_ref().is_some_and(|s| {
-            s.observed_generation == Some(generation)
-                && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
-        });
+        let ready = policy.is_ready();
         if ready {
             self.ready.insert(key.clone(), generation);
         }
@@ -408,11 +405,19 @@ pub fn progress(objects: usize, tracker: Arc<Mutex<Tracker>>) -> anyhow::Result<
 
 /// p50, p95 and p99 of `latencies` (milliseconds).
 pub fn latency_percentiles(latencies: &[f64]) -> serde_json::Value {
-    let mut latencies = latencies.to_vec();
-    latencies.sort_by(f64::total_cmp);
-    let percentile =
-        |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
-    json!({ "p50": percentile(0.5), "p95": percentile(0.95), "p99": percentile(0.99) })
+    let sorted = sorted(latencies);
+    json!({ "p50": percentile(&sorted, 0.5), "p95": percentile(&sorted, 0.95), "p99": percentile(&sorted, 0.99) })
+}
+
+fn sorted(values: &[f64]) -> Vec<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted
+}
+
+/// The `p` quantile (0 to 1) of `sorted`, nearest rank; 0 when empty.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
 }
 
 fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTrafficPolicy> {
@@ -483,14 +488,13 @@ pub async fn edit_during_backlog(
     Ok(latencies)
 }
 
-pub fn edit_percentiles(mut latencies: Vec<f64>) -> serde_json::Value {
+pub fn edit_percentiles(latencies: Vec<f64>) -> serde_json::Value {
     if latencies.is_empty() {
         return serde_json::Value::Null;
     }
-    let each = latencies.clone();
-    latencies.sort_by(f64::total_cmp);
-    let at = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
-    json!({ "count": latencies.len(), "p50": at(0.5), "p99": at(0.99), "max": at(1.0), "each_in_order": each })
+    let sorted = sorted(&latencies);
+    let at = |p: f64| percentile(&sorted, p);
+    json!({ "count": latencies.len(), "p50": at(0.5), "p99": at(0.99), "max": at(1.0), "each_in_order": latencies })
 }
 
 async fn delete_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {

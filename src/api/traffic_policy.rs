@@ -171,6 +171,16 @@ pub struct RateLimit {
     pub burst: i32,
 }
 
+impl ApplicationTrafficPolicy {
+    /// Whether the status says Ready=True for the policy's current generation.
+    pub fn is_ready(&self) -> bool {
+        self.status.as_ref().is_some_and(|s| {
+            s.observed_generation == self.metadata.generation
+                && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
+        })
+    }
+}
+
 /// What the operator last did with the policy.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

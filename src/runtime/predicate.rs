@@ -38,7 +38,8 @@ pub struct GenerationPredicate {
 impl GenerationPredicate {
     /// Records `uid` and `generation` for `key`; true when the object is new (by name or
     /// by uid) or its generation changed.
-    pub fn changed(&mut self, key: &ObjectKey, uid: Option<&str>, generation: Option<i64>) -> bool {
+    #[cfg(test)]
+    fn changed(&mut self, key: &ObjectKey, uid: Option<&str>, generation: Option<i64>) -> bool {
         self.observe(key, uid, generation) != Sight::Same
     }
 

@@ -10,7 +10,7 @@ use controlplane::process::Process;
 use controlplane::{ControlPlane, Grant};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::flowcontrol::v1::{FlowSchema, GroupSubject, Subject};
-use k8s_openapi::api::rbac::v1::{ClusterRole, Role};
+use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -74,6 +74,16 @@ impl TestEnv {
         let mut grants = cluster_grants.unwrap_or_else(|| vec![Grant::ClusterRole(operator_cluster_role().name_any())]);
         grants.push(Grant::Role { namespace: self.namespace.clone(), name: role.name_any() });
         self.cp.identity(&self.namespace, name, &grants).await.unwrap()
+    }
+
+    /// deploy/'s ClusterRole as `name`, with `edit` applied to each rule, installed; its name.
+    pub async fn limited_cluster_role(&self, name: &str, edit: impl Fn(&mut PolicyRule)) -> String {
+        let mut limited = operator_cluster_role();
+        limited.metadata.name = Some(name.into());
+        limited.rules.iter_mut().flatten().for_each(edit);
+        let apply = PatchParams::apply("e2e-tests").force();
+        Api::<ClusterRole>::all(self.client.clone()).patch(name, &apply, &Patch::Apply(&limited)).await.unwrap();
+        name.to_string()
     }
 
     /// Starts the operator for this namespace under deploy/'s ClusterRole.

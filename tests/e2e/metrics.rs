@@ -2,13 +2,11 @@
 
 use controlplane::Grant;
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::api::rbac::v1::ClusterRole;
-use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, Cidr, ConditionStatus};
 
 use crate::lifecycle::policy;
-use crate::support::{Operator, TestEnv, eventually, operator_cluster_role};
+use crate::support::{Operator, TestEnv, eventually};
 
 /// API requests, process metrics, both queue lanes, terminal errors and policies by Ready
 /// status and reason, after one policy that applies and one the API server refuses.
@@ -53,22 +51,18 @@ async fn ordinary_work_shows_in_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_prometheus_could_not_see_before_show_in_metrics() {
     let env = TestEnv::new("e2e-metrics-failing").await;
-    let mut limited: ClusterRole = operator_cluster_role();
-    limited.metadata.name = Some("e2e-operator-without-configmap-watch-or-policy-patch".into());
-    for rule in limited.rules.as_mut().unwrap() {
-        let resources = rule.resources.as_ref().unwrap();
-        if resources.contains(&"configmaps".to_string()) {
-            rule.verbs.retain(|v| v != "list" && v != "watch");
-        }
-        if resources.contains(&"applicationtrafficpolicies".to_string()) {
-            rule.verbs.retain(|v| v != "patch");
-        }
-    }
-    Api::<ClusterRole>::all(env.client.clone())
-        .patch(&limited.name_any(), &PatchParams::apply("e2e-tests").force(), &Patch::Apply(&limited))
-        .await
-        .unwrap();
-    let identity = env.operator_identity("limited", Some(vec![Grant::ClusterRole(limited.name_any())])).await;
+    let limited = env
+        .limited_cluster_role("e2e-operator-without-configmap-watch-or-policy-patch", |rule| {
+            let resources = rule.resources.clone().unwrap_or_default();
+            if resources.contains(&"configmaps".to_string()) {
+                rule.verbs.retain(|v| v != "list" && v != "watch");
+            }
+            if resources.contains(&"applicationtrafficpolicies".to_string()) {
+                rule.verbs.retain(|v| v != "patch");
+            }
+        })
+        .await;
+    let identity = env.operator_identity("limited", Some(vec![Grant::ClusterRole(limited)])).await;
     // It watches a namespace of its own, where only its (limited) ClusterRole applies: the
     // Role of its operator namespace grants ConfigMaps there.
     let watched = format!("{}-watched", env.namespace);

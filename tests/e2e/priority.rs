@@ -5,7 +5,7 @@ use futures::future::join_all;
 use kube::ResourceExt;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::sharding::bucket::{BACKLOG_ANNOTATION, BUCKET_LABEL};
 
 use crate::lifecycle::policy;
@@ -48,15 +48,9 @@ async fn an_edit_goes_before_a_preloaded_backlog() {
     // The edit is served while most of the backlog still waits.
     let ready_when_served = eventually("the edit is Ready", || async {
         let list = policies.list(&ListParams::default()).await.ok()?;
-        let ready = |p: &ApplicationTrafficPolicy| {
-            p.status.as_ref().is_some_and(|s| {
-                s.observed_generation == p.metadata.generation
-                    && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
-            })
-        };
         let target = list.items.iter().find(|p| p.name_any() == last)?;
-        (ready(target) && target.metadata.generation == generation)
-            .then(|| list.items.iter().filter(|p| ready(p)).count())
+        (target.is_ready() && target.metadata.generation == generation)
+            .then(|| list.items.iter().filter(|p| p.is_ready()).count())
     })
     .await;
     println!("the edit was served when {ready_when_served} of {BACKLOG} policies were Ready");

@@ -3,13 +3,12 @@
 use controlplane::Grant;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
 use crate::lifecycle::policy;
-use crate::support::{Operator, TestEnv, audited_writes, eventually, operator_cluster_role};
+use crate::support::{Operator, TestEnv, audited_writes, eventually};
 
 /// Policies and children as the API server holds them: what a restart must leave alone.
 async fn stored(env: &TestEnv) -> Vec<serde_json::Value> {
@@ -62,18 +61,14 @@ async fn a_restarted_and_resyncing_operator_writes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_permission_is_retried_with_backoff_until_granted() {
     let env = TestEnv::new("e2e-transient").await;
-    let mut limited: ClusterRole = operator_cluster_role();
-    limited.metadata.name = Some("e2e-operator-without-configmap-writes".into());
-    for rule in limited.rules.as_mut().unwrap() {
-        if rule.resources.as_ref().unwrap().contains(&"configmaps".to_string()) {
-            rule.verbs = vec!["list".into(), "watch".into()];
-        }
-    }
-    Api::<ClusterRole>::all(env.client.clone())
-        .patch(&limited.name_any(), &PatchParams::apply("e2e-tests").force(), &Patch::Apply(&limited))
-        .await
-        .unwrap();
-    let identity = env.operator_identity("limited", Some(vec![Grant::ClusterRole(limited.name_any())])).await;
+    let limited = env
+        .limited_cluster_role("e2e-operator-without-configmap-writes", |rule| {
+            if rule.resources.as_ref().unwrap().contains(&"configmaps".to_string()) {
+                rule.verbs = vec!["list".into(), "watch".into()];
+            }
+        })
+        .await;
+    let identity = env.operator_identity("limited", Some(vec![Grant::ClusterRole(limited)])).await;
     let operator = Operator::start(&env, &identity, &[]).await;
 
     env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &policy("blocked", 80)).await.unwrap();

@@ -328,12 +328,7 @@ async fn a_stuck_reconcile_holds_up_neither_the_buckets_gained_nor_the_one_it_bl
     fleet.lease_args = suite_args;
     fleet.start("r-1").await;
     let stuck_policies = Api::<ApplicationTrafficPolicy>::namespaced(fleet.client(), &stuck_ns);
-    let is_ready = |p: &ApplicationTrafficPolicy| {
-        p.status.as_ref().is_some_and(|s| {
-            s.observed_generation == p.metadata.generation
-                && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
-        })
-    };
+    let is_ready = ApplicationTrafficPolicy::is_ready;
     // Everything converges but the stuck policy, which r-0 holds and never writes.
     let gained_policies = Api::<ApplicationTrafficPolicy>::namespaced(fleet.client(), &gained_ns);
     eventually("the policies of r-1's slice converge", || async {

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
 use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
 
@@ -167,12 +167,7 @@ impl Fleet {
         let labels = format!("scenario={}", self.scenario);
         eventually(&format!("every policy converges after {what}"), || async {
             let list = policies.list(&ListParams::default().labels(&labels)).await.ok()?;
-            let all = list.items.iter().all(|p| {
-                p.status.as_ref().is_some_and(|s| {
-                    s.observed_generation == p.metadata.generation
-                        && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True)
-                })
-            });
+            let all = list.items.iter().all(ApplicationTrafficPolicy::is_ready);
             all.then_some(list.items.len())
         })
         .await
