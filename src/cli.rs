@@ -110,6 +110,12 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_RETRY_PERIOD", default_value = "2s", value_parser = humantime::parse_duration)]
     pub retry_period: Duration,
 
+    /// How a replica's watches select its slice: `shard-selector` (the API server's
+    /// ShardedListAndWatch), `labels` (bucket labels set by the leader), or `auto` (the shard
+    /// selector if the server honours it). Every replica of a fleet must end up in one mode.
+    #[arg(long, env = "TPO_SHARD_MODE", value_enum, default_value = "auto")]
+    pub shard_mode: crate::coordination::mode::Requested,
+
     /// API requests per second this replica may make for its work (watches, reconciles,
     /// labelling, events), as client-go's `--kube-api-qps`. Lease renewals are not counted.
     #[arg(long, env = "TPO_KUBE_API_QPS", default_value = "500")]

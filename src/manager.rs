@@ -64,7 +64,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     // Sharding: our lease and its renewal cycles, the member table, the leader, and the
     // assignment follower, which re-targets the watches below through `selector`.
-    let ownership = Ownership::new(&shard.incarnation, shard.renew_deadline, shard.write_bound());
+    let mode = crate::coordination::mode::choose(&coordination, &shard.namespace, args.shard_mode).await?;
+    let ownership = Ownership::new(&shard.incarnation, mode, shard.renew_deadline, shard.write_bound());
     let members = Arc::new(Members::default());
     let view = Arc::new(AssignmentView::default());
     let member_lease = Arc::new(MemberLease::new(coordination.clone(), &shard, ownership.clone(), view.clone()));

@@ -1,12 +1,13 @@
 //! `loadtest compare`: the same policies, one mode after another in one invocation, each on
-//! a fresh control plane: the API write floor, the operator (one replica, then three), the
-//! controller-runtime peer and the plain kube-rs peer. Prints the ratios that count.
+//! a fresh control plane: the API write floor, the operator (one replica, then three) in
+//! shard-selector and in label mode, the controller-runtime peer and the plain kube-rs
+//! peer. Prints the ratios that count.
 
 use std::path::PathBuf;
 
 use serde_json::{Value, json};
 
-use crate::run::{self, Mode};
+use crate::run::{self, Mode, Sharding};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -22,18 +23,22 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    use Sharding::{Labels, ShardSelector};
     let plan = [
-        ("floor", Mode::Floor, 1),
-        ("operator x1", Mode::Operator, 1),
-        ("controller-runtime", Mode::ControllerRuntime, 1),
-        ("kube-rs Controller", Mode::KubeRs, 1),
-        ("operator x3", Mode::Operator, 3),
+        ("floor", Mode::Floor, 1, ShardSelector),
+        ("operator x1", Mode::Operator, 1, ShardSelector),
+        ("operator x1 labels", Mode::Operator, 1, Labels),
+        ("controller-runtime", Mode::ControllerRuntime, 1, ShardSelector),
+        ("kube-rs Controller", Mode::KubeRs, 1, ShardSelector),
+        ("operator x3", Mode::Operator, 3, ShardSelector),
+        ("operator x3 labels", Mode::Operator, 3, Labels),
     ];
     let mut results: Vec<(&str, Value)> = Vec::new();
-    for (label, mode, replicas) in plan {
+    for (label, mode, replicas, sharding) in plan {
         eprintln!("== {label}");
         let run_args = run::Args {
             objects: args.objects,
+            sharding,
             namespaces: args.namespaces,
             mode,
             replicas,
@@ -84,11 +89,24 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let ours = get("operator x1");
     let three = get("operator x3");
-    let mut ratios = json!({ "convergence_over_floor": seconds(ours) / seconds(get("floor")) });
+    let floor = seconds(get("floor"));
+    let mut ratios = json!({
+        "convergence_over_floor": seconds(ours) / floor,
+        "labels_convergence_over_floor": seconds(get("operator x1 labels")) / floor,
+        "three_convergence_over_floor": seconds(three) / floor,
+        "three_labels_convergence_over_floor": seconds(get("operator x3 labels")) / floor,
+    });
     println!();
     println!("| ratio | value |");
     println!("|---|---|");
-    println!("| operator convergence / write floor | {:.2} |", ratios["convergence_over_floor"].as_f64().unwrap());
+    for (what, key) in [
+        ("operator convergence / write floor (shard selector, 1 replica)", "convergence_over_floor"),
+        ("operator convergence / write floor (labels, 1 replica)", "labels_convergence_over_floor"),
+        ("operator convergence / write floor (shard selector, 3 replicas)", "three_convergence_over_floor"),
+        ("operator convergence / write floor (labels, 3 replicas)", "three_labels_convergence_over_floor"),
+    ] {
+        println!("| {what} | {:.2} |", ratios[key].as_f64().unwrap());
+    }
     for peer in ["controller-runtime", "kube-rs Controller"] {
         let p = get(peer);
         let (c, m, t) = (cpu(ours) / cpu(p), peak(ours) / peak(p), seconds(ours) / seconds(p));

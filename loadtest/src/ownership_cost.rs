@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use traffic_policy_operator::coordination::ownership::Ownership;
 use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
-use traffic_policy_operator::sharding::bucket::BUCKETS;
+use traffic_policy_operator::sharding::bucket::{BUCKETS, Mode};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -17,9 +17,9 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let ownership = Ownership::new("me_1", Duration::from_secs(10), Duration::from_secs(5));
-    let all =
-        Assignment { generation: 1, slots: vec![Slot::Owned { member: "me_1".into(), epoch: 1 }; BUCKETS.into()] };
+    let ownership = Ownership::new("me_1", Mode::Labels, Duration::from_secs(10), Duration::from_secs(5));
+    let slots = vec![Slot::Owned { member: "me_1".into(), epoch: 1 }; BUCKETS.into()];
+    let all = Assignment { generation: 1, slots, ..Default::default() };
     ownership.confirm(tokio::time::Instant::now(), &all);
     let started = Instant::now();
     for i in 0..args.iterations {

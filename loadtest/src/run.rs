@@ -35,10 +35,33 @@ pub enum Mode {
     KubeRs,
 }
 
+/// How the operator's replicas select their slices (operator mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Sharding {
+    /// kube-apiserver runs with `ShardedListAndWatch`; the operator uses shard selectors.
+    ShardSelector,
+    /// kube-apiserver without the gate; the operator's leader labels every policy.
+    Labels,
+}
+
+impl Sharding {
+    /// The shard selector, unless `TPO_TEST_SHARDED_LIST_AND_WATCH=off` (as for the suites).
+    fn from_env() -> Self {
+        if controlplane::sharded_list_and_watch() { Sharding::ShardSelector } else { Sharding::Labels }
+    }
+
+    fn name(self) -> String {
+        self.to_possible_value().expect("plain variants").get_name().to_string()
+    }
+}
+
 #[derive(clap::Args, Clone)]
 pub struct Args {
     #[arg(long, default_value_t = 1000)]
     pub objects: usize,
+    /// The sharding mode of the local control plane and the operator.
+    #[arg(long, value_enum, default_value_t = Sharding::from_env())]
+    pub sharding: Sharding,
     #[arg(long, default_value_t = 50)]
     pub namespaces: usize,
     #[arg(long, value_enum, default_value = "operator")]
@@ -107,7 +130,9 @@ pub struct Args {
 impl Args {
     /// The namespace of policy (or namespace) number `i`.
     pub fn namespace_of(&self, i: usize) -> String {
-        format!("{}{}", self.namespace_prefix, i % self.namespaces)
+        // Not ending in the number: the shard selector's hash (FNV-1a) puts names that differ
+        // only in their last character in very few buckets (docs/sharding.md).
+        format!("{}{}-ns", self.namespace_prefix, i % self.namespaces)
     }
 }
 
@@ -164,9 +189,18 @@ pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
     if args.kubeconfig.is_some() {
         return crate::cluster::run(args).await;
     }
+    // Built before any clock starts: a first build must not count as the peer's time.
+    if args.mode == Mode::ControllerRuntime {
+        controller_runtime_peer()?;
+    }
+    let feature_gates = match args.sharding {
+        Sharding::ShardSelector => vec![controlplane::SHARDED_LIST_AND_WATCH.to_string()],
+        Sharding::Labels => vec![],
+    };
     let config = controlplane::Config {
         controller_manager: false,
         apiserver_args: vec!["--max-requests-inflight=800".into(), "--max-mutating-requests-inflight=400".into()],
+        feature_gates,
         ..Default::default()
     };
     let cp = tokio::task::spawn_blocking(move || controlplane::ControlPlane::start(config)).await??;
@@ -281,6 +315,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     crate::chart::write(&args.out.with_extension("svg"), &samples, &tracker.converged, started, args.objects)?;
     let result = json!({
         "mode": args.mode.to_possible_value().expect("plain variants").get_name().to_string(),
+        "sharding": args.sharding.name(),
         "objects": args.objects,
         "namespaces": args.namespaces,
         "replicas": replicas.len(),
@@ -333,6 +368,7 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
         format!("--metrics-addr=127.0.0.1:{metrics_port}"),
         format!("--health-probe-addr=127.0.0.1:{probe_port}"),
         format!("--workers={}", args.workers),
+        format!("--shard-mode={}", args.sharding.name()),
         "--log-level=warn".to_string(),
     ];
     if let Some(seconds) = args.resync_seconds {

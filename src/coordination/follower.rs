@@ -20,8 +20,10 @@ use tokio_util::sync::CancellationToken;
 use super::lease::MemberLease;
 use super::ownership::Ownership;
 use super::{ASSIGNMENT_CONFIGMAP, ShardConfig};
+use crate::runtime::watch::SliceSelector;
 use crate::sharding::assignment::Assignment;
-use crate::sharding::bucket::{self, Bucket};
+use crate::sharding::bucket::{self, Bucket, Mode};
+use crate::sharding::shard_range;
 use crate::telemetry::admin::Health;
 use crate::telemetry::audit::Audit;
 
@@ -103,12 +105,22 @@ pub struct Follower {
     lease: Arc<MemberLease>,
     view: Arc<AssignmentView>,
     configmaps: Api<ConfigMap>,
-    selector: watch::Sender<Option<String>>,
+    selector: watch::Sender<Option<SliceSelector>>,
     health: Arc<Health>,
     audit: Audit,
     /// What the watches were last pointed at; `None` before the first selector.
     watching: Option<BTreeSet<Bucket>>,
     applied: u64,
+    /// Whether the applied assignment is of our sharding mode.
+    mode_matches: bool,
+}
+
+/// What our watches ask the API server for, to see `owned`.
+fn slice_selector(mode: Mode, owned: &BTreeSet<Bucket>) -> Option<SliceSelector> {
+    match mode {
+        Mode::Labels => bucket::selector(owned).map(SliceSelector::Labels),
+        Mode::ShardSelector => shard_range::selector(owned).map(SliceSelector::Shards),
+    }
 }
 
 impl Follower {
@@ -119,7 +131,7 @@ impl Follower {
         ownership: Arc<Ownership>,
         lease: Arc<MemberLease>,
         view: Arc<AssignmentView>,
-        selector: watch::Sender<Option<String>>,
+        selector: watch::Sender<Option<SliceSelector>>,
         health: Arc<Health>,
         audit: Audit,
     ) -> Self {
@@ -135,6 +147,7 @@ impl Follower {
             audit,
             watching: None,
             applied: 0,
+            mode_matches: false,
         }
     }
 
@@ -175,8 +188,17 @@ impl Follower {
 
     /// Applies the newest assignment; true while lost buckets are still draining.
     fn step(&mut self) -> bool {
+        let mode = self.ownership.mode();
         if let Some(published) = self.view.newer_than(self.applied) {
             self.applied = published.assignment.generation;
+            self.mode_matches = published.assignment.mode == mode;
+            if !self.mode_matches {
+                tracing::warn!(
+                    ours = mode.as_str(),
+                    assignment = published.assignment.mode.as_str(),
+                    "the assignment computes buckets in another sharding mode than this replica: owning nothing"
+                );
+            }
             let change = self.ownership.apply(&published.assignment);
             if !change.is_empty() {
                 tracing::info!(
@@ -191,7 +213,7 @@ impl Follower {
         // Nothing is watched before the first assignment: until then we do not know our slice.
         if self.applied > 0 && self.watching.as_ref() != Some(&owned) {
             self.audit.record("owned", &self.applied, &bucket::ranges(&owned));
-            let selector = bucket::selector(&owned);
+            let selector = slice_selector(mode, &owned);
             let first = self.watching.is_none();
             self.selector.send_if_modified(|current| {
                 let changed = first || *current != selector;

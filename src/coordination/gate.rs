@@ -14,15 +14,17 @@ use super::ownership::{InFlight, Ownership};
 use crate::error::{Error, Result};
 use crate::runtime::gate::{GatedReconciler, WriteGate};
 use crate::runtime::{Action, ObjectKey, Reconciler};
-use crate::sharding::bucket::{self, BUCKET_LABEL, Bucket};
+use crate::sharding::bucket::{self, BUCKET_LABEL, Bucket, Mode};
 use crate::telemetry::audit::Audit;
 
-/// The bucket of an object: its bucket label (set by hand, or kept by the cache trim when
-/// it differs), or else its namespace's bucket.
-pub fn bucket_of_object<K: Resource>(object: &K) -> Option<Bucket> {
-    match object.labels().get(BUCKET_LABEL) {
-        Some(label) => bucket::parse_label(label),
-        None => Some(bucket::bucket_of(&object.namespace().unwrap_or_default())),
+/// The bucket of an object. In label mode: its bucket label (set by hand, or kept by the
+/// cache trim when it differs), or else its namespace's bucket. With the shard selector:
+/// its namespace's bucket, as the API server computes it; labels play no part.
+pub fn bucket_of_object<K: Resource>(object: &K, mode: Mode) -> Option<Bucket> {
+    let namespace = object.namespace().unwrap_or_default();
+    match (mode, object.labels().get(BUCKET_LABEL)) {
+        (Mode::Labels, Some(label)) => bucket::parse_label(label),
+        _ => Some(mode.bucket_of(&namespace)),
     }
 }
 
@@ -45,10 +47,11 @@ where
 {
     async fn reconcile(&self, object: Arc<K>) -> Result<Action> {
         let key = ObjectKey::of(object.as_ref());
-        let Some(in_flight) = bucket_of_object(object.as_ref()).and_then(|b| self.ownership.begin(b)) else {
+        let mode = self.ownership.mode();
+        let Some(in_flight) = bucket_of_object(object.as_ref(), mode).and_then(|b| self.ownership.begin(b)) else {
             return Ok(Action::Skip);
         };
-        let gate = ShardGate { in_flight, key: &key, audit: &self.audit };
+        let gate = ShardGate { in_flight, mode, key: &key, audit: &self.audit };
         self.audit.record("reconcile_start", &key, &gate.in_flight.bucket.to_string());
         let result = self.inner.reconcile(object, &gate).await;
         self.audit.record("reconcile_end", &key, result.as_ref().map_or_else(|e| e.kind(), |_| "ok"));
@@ -63,6 +66,7 @@ where
 /// One reconcile's right to write its object's bucket.
 struct ShardGate<'a> {
     in_flight: InFlight,
+    mode: Mode,
     key: &'a ObjectKey,
     audit: &'a Audit,
 }
@@ -89,7 +93,11 @@ impl WriteGate for ShardGate<'_> {
         self.in_flight.abandoned(sent);
     }
 
+    /// Children carry their bucket label only where watches select by it.
     fn routing_labels(&self) -> Vec<(String, String)> {
-        vec![(BUCKET_LABEL.to_string(), bucket::label_value(self.in_flight.bucket))]
+        match self.mode {
+            Mode::Labels => vec![(BUCKET_LABEL.to_string(), bucket::label_value(self.in_flight.bucket))],
+            Mode::ShardSelector => Vec::new(),
+        }
     }
 }

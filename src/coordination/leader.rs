@@ -1,5 +1,6 @@
-//! Leader election and the leader's singleton duties: publishing the assignment, labelling
-//! new policies (see [`super::labeller`]) and collecting abandoned member Leases.
+//! Leader election and the leader's singleton duties: publishing the assignment (in this
+//! process's sharding mode: a change of mode revokes every bucket first), labelling new
+//! policies in label mode (see [`super::labeller`]) and collecting abandoned member Leases.
 //!
 //! The leader is elected with kube-leader-election's `LeaseLock`, with the incarnation as
 //! holder. That library can let two candidates believe they won for a moment, so nothing
@@ -29,6 +30,7 @@ use super::members::{Members, lease_state};
 use super::ownership::Ownership;
 use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
 use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, plan};
+use crate::sharding::bucket::Mode;
 use crate::sharding::membership::{Liveness, pod_of};
 use crate::telemetry::metrics as m;
 
@@ -88,6 +90,7 @@ impl Leader {
         let mut leading_until: Option<Instant> = None;
         let mut next_attempt = Instant::now();
         let mut labeler: Option<tokio::task::JoinHandle<()>> = None;
+        let mut was_leading = false;
         let mut members_changed = self.members.subscribe();
         let mut view_changed = self.view.subscribe();
         loop {
@@ -107,18 +110,24 @@ impl Leader {
             let leading = self.leading(leading_until);
             m::set_leader(leading);
             if leading {
-                if labeler.is_none() {
+                if !was_leading {
                     tracing::info!("became the leader");
-                    let (client, namespace) = (self.labeller_client.clone(), self.config.watch_namespace.clone());
-                    labeler = Some(tokio::spawn(label_unlabeled_policies(client, namespace)));
+                    // With the shard selector, watches select by namespace: nothing to label.
+                    if self.ownership.mode() == Mode::Labels {
+                        let (client, namespace) = (self.labeller_client.clone(), self.config.watch_namespace.clone());
+                        labeler = Some(tokio::spawn(label_unlabeled_policies(client, namespace)));
+                    }
                 }
                 self.publish(None).await;
                 self.collect_abandoned().await;
-            } else if let Some(task) = labeler.take() {
+            } else if was_leading {
                 tracing::info!("no longer the leader");
-                task.abort();
+                if let Some(task) = labeler.take() {
+                    task.abort();
+                }
                 m::set_unlabelled(0);
             }
+            was_leading = leading;
             tokio::select! {
                 _ = tokio::time::sleep_until(next_attempt) => {}
                 _ = members_changed.changed() => {}
@@ -170,6 +179,7 @@ impl Leader {
             tracing::debug!("member view is incomplete or stale; not planning");
             return None;
         }
+        let mode = self.ownership.mode();
         let (mut current, resource_version) = match self.view.get() {
             Some(p) => (p.assignment, p.resource_version),
             None => (Assignment::default(), None),
@@ -181,9 +191,16 @@ impl Leader {
             if current.generation < floor {
                 // A member saw a newer assignment than we did (or we never saw one): what it
                 // gave to whom is lost, and its owners may still be writing. Revoke everything.
-                current = Assignment::after_loss(floor + 1);
+                current = Assignment::after_loss(floor + 1, mode);
             }
         }
+        if current.mode != mode && current.generation > 0 {
+            // Publish the revocation of everything first: the old mode's owners must read it,
+            // or reach their renew deadline, before any bucket of the new mode is given.
+            tracing::warn!(from = current.mode.as_str(), to = mode.as_str(), "changing the sharding mode");
+            return Some((Assignment::after_loss(current.generation + 1, mode), resource_version));
+        }
+        current.mode = mode;
         self.track_revocations(&current, now);
         self.confirm_silent(&current, now).await;
         let mut receivers = self.members.with(|t| t.receivers(leaving.is_none().then_some(me.as_str()), now));

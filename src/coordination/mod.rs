@@ -8,6 +8,7 @@
 //!   watches at once, drain what was lost, acknowledge);
 //! - [`ownership`]: what this replica may write right now, with the fencing epoch;
 //! - [`gate`]: the wrapper that puts a reconcile behind that check;
+//! - [`mode`]: the start-up choice of shard selector or labels;
 //! - [`status`]: the `shards` command's report.
 //!
 //! docs/sharding.md describes the protocol and why no two replicas write one object at once.
@@ -18,6 +19,7 @@ pub mod labeller;
 pub mod leader;
 pub mod lease;
 pub mod members;
+pub mod mode;
 pub mod ownership;
 pub mod status;
 

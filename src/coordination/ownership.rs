@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::sharding::assignment::{Assignment, Epoch};
-use crate::sharding::bucket::Bucket;
+use crate::sharding::bucket::{Bucket, Mode};
 use crate::sharding::slice::{Change, Slice};
 use crate::telemetry::metrics as m;
 
@@ -23,12 +23,19 @@ pub struct Ownership {
     /// Bumped on every change: the owned set, a confirmation, a reconcile ending.
     changed: watch::Sender<u64>,
     write_bound: Duration,
+    mode: Mode,
 }
 
 impl Ownership {
-    pub fn new(incarnation: &str, renew_deadline: Duration, write_bound: Duration) -> Arc<Self> {
+    pub fn new(incarnation: &str, mode: Mode, renew_deadline: Duration, write_bound: Duration) -> Arc<Self> {
         let (changed, _) = watch::channel(0);
-        Arc::new(Self { slice: Mutex::new(Slice::new(incarnation, renew_deadline)), changed, write_bound })
+        let slice = Mutex::new(Slice::new(incarnation, mode, renew_deadline));
+        Arc::new(Self { slice, changed, write_bound, mode })
+    }
+
+    /// How this process computes buckets.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     /// Takes our buckets from an assignment seen on the watch.
@@ -175,7 +182,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn writes_end_at_the_deadline_without_anyone_noticing() {
-        let o = Ownership::new("me_1", Duration::from_secs(10), Duration::from_secs(5));
+        let o = Ownership::new("me_1", Mode::Labels, Duration::from_secs(10), Duration::from_secs(5));
         o.confirm(Instant::now(), &mine(1, &[1, 2]));
         let in_flight = o.begin(1).unwrap();
         assert_eq!(in_flight.permit(), Some(1));
@@ -186,7 +193,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn drain_waits_for_reconciles_and_abandoned_writes() {
-        let o = Ownership::new("me_1", Duration::from_secs(10), Duration::from_secs(5));
+        let o = Ownership::new("me_1", Mode::Labels, Duration::from_secs(10), Duration::from_secs(5));
         o.confirm(Instant::now(), &mine(1, &[1, 2]));
         let in_flight = o.begin(1).unwrap();
         o.apply(&mine(2, &[2]));

@@ -11,7 +11,6 @@ use super::follower::decode;
 use super::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
 use crate::api::ApplicationTrafficPolicy;
 use crate::sharding::assignment::Slot;
-use crate::sharding::bucket::bucket_of;
 use crate::sharding::membership::pod_of;
 
 /// Prints one line per replica: its lease holder, buckets, and the namespaces with
@@ -38,7 +37,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     let mut unowned: BTreeSet<String> = BTreeSet::new();
     for policy in &policies.items {
         let ns = policy.namespace().unwrap_or_default();
-        match &assignment.slots[usize::from(bucket_of(&ns))] {
+        match &assignment.slots[usize::from(assignment.mode.bucket_of(&ns))] {
             Slot::Owned { member, .. } => {
                 namespaces.entry(member.clone()).or_default().insert(ns);
             }
@@ -47,7 +46,12 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             }
         }
     }
-    println!("assignment generation {}, {} policies", assignment.generation, policies.items.len());
+    println!(
+        "assignment generation {}, sharding mode {}, {} policies",
+        assignment.generation,
+        assignment.mode.as_str(),
+        policies.items.len()
+    );
     println!("{:<36} {:<9} {:>7}  NAMESPACES", "REPLICA (INCARNATION)", "LEASE", "BUCKETS");
     let shares = assignment.shares();
     let members: BTreeSet<&String> = shares.keys().chain(holders.values().filter(|h| !h.is_empty())).collect();

@@ -252,6 +252,7 @@ mod tests {
     use super::*;
     use crate::api::{ApplicationSelector, ApplicationTrafficPolicySpec};
     use crate::coordination::gate::bucket_of_object;
+    use crate::sharding::bucket::Mode;
 
     fn policy(namespace: &str, labels: &[(&str, &str)]) -> ApplicationTrafficPolicy {
         let selector = ApplicationSelector { match_labels: [("app", "web")].into_iter().collect() };
@@ -274,11 +275,13 @@ mod tests {
         let mut usual = policy("shop", &[(BUCKET_LABEL, &implied), ("team", "blue")]);
         trim_for_cache(&mut usual);
         assert!(usual.metadata.labels.is_none() && usual.metadata.annotations.is_none());
-        assert_eq!(bucket_of_object(&usual), Some(bucket::bucket_of("shop")));
+        assert_eq!(bucket_of_object(&usual, Mode::Labels), Some(bucket::bucket_of("shop")));
 
         let other = if implied == "7" { "8" } else { "7" };
         let mut by_hand = policy("shop", &[(BUCKET_LABEL, other)]);
         trim_for_cache(&mut by_hand);
-        assert_eq!(bucket_of_object(&by_hand), bucket::parse_label(other), "a hand-set bucket wins, as in the watch");
+        assert_eq!(bucket_of_object(&by_hand, Mode::Labels), bucket::parse_label(other), "a hand-set bucket wins");
+        let shard_bucket = Some(Mode::ShardSelector.bucket_of("shop"));
+        assert_eq!(bucket_of_object(&by_hand, Mode::ShardSelector), shard_bucket, "the server ignores labels");
     }
 }

@@ -34,7 +34,7 @@ use super::child_versions::ChildVersions;
 use super::key::ObjectKey;
 use super::predicate::{GenerationPredicate, Sight};
 use super::queue::{Priority, WorkQueue};
-use super::watch::{ChildEvent, Selector};
+use super::watch::{ChildEvent, Selector, SliceSelector};
 use crate::error::{Error, Result};
 use crate::telemetry::admin::Health;
 use crate::telemetry::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
@@ -74,7 +74,7 @@ pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
     queue: Arc<WorkQueue<ObjectKey>>,
     /// The selector each child watch last listed, by kind (absent while it relists); workers
     /// wait until every one of them has listed the current selector.
-    children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Option<String>>>,
+    children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Option<SliceSelector>>>,
     store: Store<K>,
     metrics: ControllerMetrics,
     health: Arc<Health>,
@@ -115,7 +115,7 @@ where
         let workers: Vec<_> = (0..this.settings.workers)
             .map(|_| {
                 let selector = selector.clone();
-                let children_listed = move |listed: &BTreeMap<_, Option<String>>| {
+                let children_listed = move |listed: &BTreeMap<_, Option<SliceSelector>>| {
                     listed.len() == child_kinds && listed.values().all(|s| *s == *selector.borrow())
                 };
                 tokio::spawn(this.clone().work(reconciler.clone(), children_listed))
@@ -146,8 +146,8 @@ where
     ) {
         let mut predicate = GenerationPredicate::default();
         // The selector of the last completed list, and of the list under way.
-        let mut listed_selector: Option<Option<String>> = None;
-        let mut listing_selector: Option<String> = None;
+        let mut listed_selector: Option<Option<SliceSelector>> = None;
+        let mut listing_selector: Option<SliceSelector> = None;
         // The reflector publishes a relist to the cache only at InitDone, so its keys wait
         // here until then: a worker must find the object it is handed.
         let mut relisted: Vec<(ObjectKey, Sight)> = Vec::new();
@@ -256,7 +256,7 @@ where
     async fn work<R: Reconciler<K>>(
         self: Arc<Self>,
         reconciler: Arc<R>,
-        children_listed: impl Fn(&BTreeMap<&'static str, Option<String>>) -> bool,
+        children_listed: impl Fn(&BTreeMap<&'static str, Option<SliceSelector>>) -> bool,
     ) {
         let mut listed = self.children_listed.subscribe();
         while let Some(key) = self.queue.get().await {

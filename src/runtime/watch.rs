@@ -1,10 +1,10 @@
 //! Watch sources: the primary resource into a trimmed cache, and children as
 //! metadata-only events that point at their owner.
 //!
-//! Both take their label selector from a channel: when this replica's slice changes, the
-//! watch restarts with the new selector, so the API server sends only the slice (a relist
-//! of it; the cache is replaced when the list completes). With no selector, the watch is an
-//! empty list. Both retry with kube-runtime's default backoff and relist after `410 Gone`.
+//! Both take their selector from a channel: when this replica's slice changes, the watch
+//! restarts with the new selector, so the API server sends only the slice (a relist of it;
+//! the cache is replaced when the list completes). With no selector, the watch is an empty
+//! list. Both retry with kube-runtime's default backoff and relist after `410 Gone`.
 
 use std::collections::HashSet;
 use std::fmt::Debug;
@@ -36,11 +36,20 @@ pub fn trim<K: Resource>(object: &mut K) {
     }
 }
 
-/// A label selector that can change; `None` selects nothing.
-pub type Selector = tokio::sync::watch::Receiver<Option<String>>;
+/// How a watch asks the API server for this replica's slice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceSelector {
+    /// A label selector.
+    Labels(String),
+    /// A `shardSelector` expression (KEP-5866): ranges of the server's hash of a field.
+    Shards(String),
+}
+
+/// A selector that can change; `None` selects nothing.
+pub type Selector = tokio::sync::watch::Receiver<Option<SliceSelector>>;
 
 /// Events, each with the selector of the watch that produced it.
-pub type Tagged<K> = BoxStream<'static, (Arc<Option<String>>, Result<watcher::Event<K>, watcher::Error>)>;
+pub type Tagged<K> = BoxStream<'static, (Arc<Option<SliceSelector>>, Result<watcher::Event<K>, watcher::Error>)>;
 
 /// A watch of `api` that restarts whenever `selector` changes, each event tagged with the
 /// selector it was listed or watched with (so "listed" always means listed *for that
@@ -48,16 +57,30 @@ pub type Tagged<K> = BoxStream<'static, (Arc<Option<String>>, Result<watcher::Ev
 /// always required in addition. Errors are retried with kube-runtime's default backoff.
 pub fn retargetable<K>(api: Api<K>, fixed_labels: Option<String>, selector: Selector) -> Tagged<K>
 where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Debug
+        + Send
+        + 'static,
 {
-    let open = move |selector: Option<String>| -> Tagged<K> {
+    let open = move |selector: Option<SliceSelector>| -> Tagged<K> {
         let tag = Arc::new(selector.clone());
+        let with_fixed = |labels: Option<&str>| match (fixed_labels.as_deref(), labels) {
+            (Some(fixed), Some(labels)) => Some(format!("{fixed},{labels}")),
+            (fixed, labels) => fixed.or(labels).map(str::to_string),
+        };
+        let (api, labels) = match &selector {
+            Some(SliceSelector::Labels(labels)) => (api.clone(), with_fixed(Some(labels))),
+            Some(SliceSelector::Shards(shards)) => (shard_selecting(&api, shards), with_fixed(None)),
+            None => (api.clone(), None),
+        };
         let events = match selector {
-            Some(selector) => {
-                let labels = fixed_labels.as_ref().map_or(selector.clone(), |fixed| format!("{fixed},{selector}"));
+            Some(_) => {
                 // A consistent list (not `any_semantic`): after a handoff, the new owner must not
                 // start from an older state than the previous owner last wrote from.
-                watcher(api.clone(), watcher::Config::default().labels(&labels)).default_backoff().boxed()
+                let config = labels.iter().fold(watcher::Config::default(), |c, l| c.labels(l));
+                watcher(api, config).default_backoff().boxed()
             }
             // An empty list: the cache empties and the source counts as synced.
             None => futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
@@ -94,6 +117,19 @@ where
         }
     })
     .boxed()
+}
+
+/// `api` with every request asking for `shardSelector=shards` (kube's list and watch
+/// parameters have no field for it yet).
+fn shard_selecting<K>(api: &Api<K>, shards: &str) -> Api<K>
+where
+    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope> + Clone,
+{
+    let client = crate::client::with_query(api.clone().into_client(), "shardSelector", shards);
+    match api.namespace() {
+        Some(namespace) => Api::namespaced(client, namespace),
+        None => Api::all(client),
+    }
 }
 
 /// Watch events of the primary resource, applied to `writer`'s cache as they pass, each
@@ -160,7 +196,7 @@ pub enum ChildEvent {
     /// A (re)list has begun: what is known of this kind may be incomplete until it is done.
     Listing { kind: &'static str },
     /// A (re)list is complete; `selector` is the one it listed.
-    Listed { kind: &'static str, selector: Option<String> },
+    Listed { kind: &'static str, selector: Option<SliceSelector> },
 }
 
 /// Metadata-only events of children whose controller is a `owner_kind`, selected by label

@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::bucket::{BUCKETS, Bucket};
+use super::bucket::{BUCKETS, Bucket, Mode};
 use super::membership::pod_of;
 use super::ring::Ring;
 
@@ -52,24 +52,34 @@ impl Slot {
 pub struct Assignment {
     pub generation: u64,
     pub slots: Vec<Slot>,
+    /// What a bucket means: every member must compute buckets alike, so one whose mode
+    /// differs owns nothing under this assignment.
+    pub mode: Mode,
 }
 
 impl Default for Assignment {
     fn default() -> Self {
-        Self { generation: 0, slots: vec![Slot::Free; usize::from(BUCKETS)] }
+        Self { generation: 0, slots: vec![Slot::Free; usize::from(BUCKETS)], mode: Mode::default() }
     }
 }
 
 impl Assignment {
     /// An assignment to publish anew in place of one that was lost, at `generation`: every
     /// bucket revoked from an unknown owner, since whoever held it may still be writing.
-    pub fn after_loss(generation: u64) -> Self {
+    ///
+    /// The same serves a change of mode: a bucket of the new mode holds namespaces of any
+    /// bucket of the old one, so nothing may be given until every old owner has let go.
+    pub fn after_loss(generation: u64, mode: Mode) -> Self {
         let revoked = Slot::Draining { from: UNKNOWN_OWNER.into(), since: generation };
-        Self { generation, slots: vec![revoked; usize::from(BUCKETS)] }
+        Self { generation, slots: vec![revoked; usize::from(BUCKETS)], mode }
     }
 
-    /// The buckets `member` may work on, with their epochs.
-    pub fn owned_by(&self, member: &str) -> BTreeMap<Bucket, Epoch> {
+    /// The buckets `member` may work on, with their epochs; none when `member` computes
+    /// buckets in another mode than this assignment's.
+    pub fn owned_by(&self, member: &str, mode: Mode) -> BTreeMap<Bucket, Epoch> {
+        if mode != self.mode {
+            return BTreeMap::new();
+        }
         (0..BUCKETS)
             .filter_map(|b| match &self.slots[usize::from(b)] {
                 Slot::Owned { member: m, epoch } if m == member => Some((b, *epoch)),
@@ -94,8 +104,8 @@ impl Assignment {
         shares
     }
 
-    /// The ConfigMap data: `generation`, `members` (comma-separated) and `slots`, one entry
-    /// per bucket: `index@epoch` when owned, `~index@since` while draining, `-` when free.
+    /// The ConfigMap data: `generation`, `mode`, `members` (comma-separated) and `slots`, one
+    /// entry per bucket: `index@epoch` when owned, `~index@since` while draining, `-` when free.
     pub fn encode(&self) -> BTreeMap<String, String> {
         let mut members: Vec<&str> = self.slots.iter().filter_map(Slot::member).collect();
         members.sort();
@@ -112,6 +122,7 @@ impl Assignment {
             .collect();
         BTreeMap::from([
             ("generation".to_string(), self.generation.to_string()),
+            ("mode".to_string(), self.mode.as_str().to_string()),
             ("members".to_string(), members.join(",")),
             ("slots".to_string(), slots.join(",")),
         ])
@@ -120,6 +131,11 @@ impl Assignment {
     pub fn decode(data: &BTreeMap<String, String>) -> Result<Self, String> {
         let field = |k: &str| data.get(k).ok_or_else(|| format!("assignment has no {k:?}"));
         let generation = field("generation")?.parse().map_err(|e| format!("generation: {e}"))?;
+        // Written before modes existed: labels.
+        let mode = match data.get("mode") {
+            None => Mode::Labels,
+            Some(m) => Mode::parse(m).ok_or_else(|| format!("unknown mode {m:?}"))?,
+        };
         let members: Vec<&str> = field("members")?.split(',').filter(|m| !m.is_empty()).collect();
         let member = |i: &str| -> Result<String, String> {
             let i: usize = i.parse().map_err(|e| format!("member index {i:?}: {e}"))?;
@@ -144,7 +160,7 @@ impl Assignment {
         if slots.len() != usize::from(BUCKETS) {
             return Err(format!("assignment has {} slots, expected {BUCKETS}", slots.len()));
         }
-        Ok(Self { generation, slots })
+        Ok(Self { generation, slots, mode })
     }
 }
 
@@ -188,7 +204,7 @@ pub fn plan(current: &Assignment, receivers: &BTreeSet<String>, release: &impl R
             Slot::Free => give(want),
         })
         .collect();
-    (slots != current.slots).then_some(Assignment { generation: next, slots })
+    (slots != current.slots).then_some(Assignment { generation: next, slots, mode: current.mode })
 }
 
 /// The facts the leader has about one draining member, for [`may_reassign`].
@@ -246,7 +262,7 @@ mod tests {
         let shares = a.shares();
         assert_eq!(shares.values().sum::<usize>(), usize::from(BUCKETS));
         assert_eq!(shares.len(), 3);
-        assert!(a.owned_by("a").values().all(|e| *e == 1));
+        assert!(a.owned_by("a", Mode::Labels).values().all(|e| *e == 1));
         assert_eq!(plan(&a, &set(&["a", "b", "c"]), &never), None, "stable once settled");
     }
 
@@ -255,22 +271,26 @@ mod tests {
         let settled = plan(&Assignment::default(), &set(&["a", "b"]), &never).unwrap();
         let grown = set(&["a", "b", "c"]);
         let draining = plan(&settled, &grown, &never).unwrap();
-        assert!(draining.owned_by("c").is_empty(), "c gets nothing until the old owners let go");
+        assert!(draining.owned_by("c", Mode::Labels).is_empty(), "c gets nothing until the old owners let go");
         let moving = draining.slots.iter().filter(|s| matches!(s, Slot::Draining { .. })).count();
         assert!(moving > 0);
         assert_eq!(plan(&draining, &grown, &never), None);
         let done = plan(&draining, &grown, &always).unwrap();
         assert_eq!(done.unowned(&grown), 0);
-        assert!(done.owned_by("c").values().all(|e| *e == done.generation), "a new owner gets a new epoch");
-        let before = settled.owned_by("a");
-        let kept: Vec<_> = done.owned_by("a").into_iter().filter(|(b, _)| before.contains_key(b)).collect();
+        assert!(
+            done.owned_by("c", Mode::Labels).values().all(|e| *e == done.generation),
+            "a new owner gets a new epoch"
+        );
+        let before = settled.owned_by("a", Mode::Labels);
+        let kept: Vec<_> =
+            done.owned_by("a", Mode::Labels).into_iter().filter(|(b, _)| before.contains_key(b)).collect();
         assert!(!kept.is_empty() && kept.iter().all(|(b, e)| before[b] == *e), "kept buckets keep their epoch");
     }
 
     #[test]
     fn a_dead_owner_is_revoked_first_too() {
         let settled = plan(&Assignment::default(), &set(&["a", "b", "c"]), &never).unwrap();
-        let lost = settled.owned_by("c");
+        let lost = settled.owned_by("c", Mode::Labels);
         let revoked = plan(&settled, &set(&["a", "b"]), &never).unwrap();
         for bucket in lost.keys() {
             assert!(
@@ -294,6 +314,8 @@ mod tests {
         a.slots[5] = Slot::Draining { from: "pod-1_y2".into(), since: 9 };
         a.slots[6] = Slot::Free;
         assert_eq!(Assignment::decode(&a.encode()).unwrap(), a);
+        let shard_mode = Assignment { mode: Mode::ShardSelector, ..a.clone() };
+        assert_eq!(Assignment::decode(&shard_mode.encode()).unwrap(), shard_mode);
         assert!(Assignment::decode(&BTreeMap::new()).unwrap_err().contains("generation"));
         let mut bad = a.encode();
         bad.insert("slots".into(), vec!["x"; 1024].join(","));
@@ -306,6 +328,17 @@ mod tests {
         ]);
         let legacy = Assignment::decode(&legacy).unwrap();
         assert_eq!(legacy.slots[0], Slot::Owned { member: "pod-0".into(), epoch: 0 });
+        assert_eq!(legacy.mode, Mode::Labels, "written before modes existed");
+    }
+
+    #[test]
+    fn a_member_of_another_mode_owns_nothing_and_plans_keep_the_mode() {
+        let a = plan(&Assignment { mode: Mode::ShardSelector, ..Default::default() }, &set(&["a"]), &never).unwrap();
+        assert_eq!(a.mode, Mode::ShardSelector);
+        assert_eq!(a.owned_by("a", Mode::ShardSelector).len(), usize::from(BUCKETS));
+        assert!(a.owned_by("a", Mode::Labels).is_empty(), "its buckets would be other namespaces");
+        let switched = Assignment::after_loss(a.generation + 1, Mode::Labels);
+        assert!(switched.slots.iter().all(|s| matches!(s, Slot::Draining { .. })), "nothing given before all let go");
     }
 
     #[test]

@@ -1,10 +1,15 @@
 //! Namespaces to buckets: a fixed, stable hash that every replica computes alike.
 //!
-//! The bucket is `xxh3_64(namespace) mod BUCKETS`. It is written as a label on every
-//! policy (by the leader) and on every child (by the reconcile), so that each replica's
-//! watches ask the API server for its own buckets only. `xxh3` is specified and stable
-//! across Rust releases, unlike std's `DefaultHasher`. Changing `BUCKETS` re-shards every
-//! object: it is part of the on-cluster format.
+//! Two modes, one per fleet (the assignment says which):
+//! - **labels**: the bucket is `xxh3_64(namespace) mod BUCKETS`. It is written as a label on
+//!   every policy (by the leader) and on every child (by the reconcile), so that each
+//!   replica's watches ask the API server for its own buckets only. `xxh3` is specified and
+//!   stable across Rust releases, unlike std's `DefaultHasher`.
+//! - **shard selector**: the bucket is a range of the API server's own namespace hash, and
+//!   watches ask for the ranges (see [`super::shard_range`]); nothing is labelled.
+//!
+//! Changing `BUCKETS` or a mode's hash re-shards every object: they are part of the
+//! on-cluster format.
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -22,6 +27,37 @@ pub const BUCKET_LABEL: &str = "trafficpolicy.dev/bucket";
 
 pub type Bucket = u16;
 
+/// How buckets are computed and how a replica's watches select its slice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// The bucket label, set by the leader (any API server).
+    #[default]
+    Labels,
+    /// The API server's shard selector (kube-apiserver with `ShardedListAndWatch`).
+    ShardSelector,
+}
+
+impl Mode {
+    pub fn bucket_of(self, namespace: &str) -> Bucket {
+        match self {
+            Mode::Labels => bucket_of(namespace),
+            Mode::ShardSelector => super::shard_range::bucket_of(namespace),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Labels => "labels",
+            Mode::ShardSelector => "shard-selector",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<Self> {
+        [Mode::Labels, Mode::ShardSelector].into_iter().find(|m| m.as_str() == value)
+    }
+}
+
+/// The label mode's bucket.
 pub fn bucket_of(namespace: &str) -> Bucket {
     (xxh3_64(namespace.as_bytes()) % u64::from(BUCKETS)) as Bucket
 }
@@ -94,6 +130,16 @@ mod tests {
         assert_eq!(parse_label("1024"), None);
         assert_eq!(parse_label("-1"), None);
         assert_eq!(parse_label("x"), None);
+    }
+
+    #[test]
+    fn modes_hash_differently_and_round_trip() {
+        assert_eq!(Mode::Labels.bucket_of("default"), 26);
+        assert_eq!(Mode::ShardSelector.bucket_of("a"), 701);
+        for mode in [Mode::Labels, Mode::ShardSelector] {
+            assert_eq!(Mode::parse(mode.as_str()), Some(mode));
+        }
+        assert_eq!(Mode::parse("bogus"), None);
     }
 
     #[test]

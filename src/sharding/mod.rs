@@ -1,5 +1,6 @@
 //! Sharding decisions, pure and clock-free (`now` is passed in), tested without a cluster:
-//! - [`bucket`]: namespace → bucket, and the label and selectors that carry it;
+//! - [`bucket`]: namespace → bucket in either mode, and the label and selectors that carry it;
+//! - [`shard_range`]: buckets as hash ranges for the API server's shard selector;
 //! - [`ring`]: buckets → members by consistent hashing with bounded loads;
 //! - [`membership`]: incarnations, and which members are alive, from locally observed
 //!   lease renewals;
@@ -14,4 +15,5 @@ pub mod assignment;
 pub mod bucket;
 pub mod membership;
 pub mod ring;
+pub mod shard_range;
 pub mod slice;

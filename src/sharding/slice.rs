@@ -17,7 +17,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::assignment::{Assignment, Epoch};
-use super::bucket::Bucket;
+use super::bucket::{Bucket, Mode};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Change {
@@ -34,6 +34,8 @@ impl Change {
 #[derive(Debug)]
 pub struct Slice {
     me: String,
+    /// How this process computes buckets; an assignment of another mode gives it nothing.
+    mode: Mode,
     renew_deadline: Duration,
     /// The generation of the assignment `owned` was taken from.
     generation: u64,
@@ -53,9 +55,10 @@ pub struct Slice {
 }
 
 impl Slice {
-    pub fn new(me: &str, renew_deadline: Duration) -> Self {
+    pub fn new(me: &str, mode: Mode, renew_deadline: Duration) -> Self {
         Self {
             me: me.to_string(),
+            mode,
             renew_deadline,
             generation: 0,
             owned: BTreeMap::new(),
@@ -74,7 +77,7 @@ impl Slice {
             return Change::default();
         }
         self.generation = assignment.generation;
-        let owned = assignment.owned_by(&self.me);
+        let owned = assignment.owned_by(&self.me, self.mode);
         self.replace(owned)
     }
 
@@ -200,7 +203,7 @@ mod tests {
     #[test]
     fn writes_need_a_confirmed_cycle_and_end_at_its_deadline() {
         let t0 = Instant::now();
-        let mut slice = Slice::new("me_1", S(10));
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
         slice.apply(&assignment(1, &[(1, 1)]));
         assert_eq!(slice.permit(1, t0), None, "no renewal cycle yet");
         slice.confirm(t0, &assignment(1, &[(1, 1)]));
@@ -212,7 +215,7 @@ mod tests {
     #[test]
     fn a_revocation_read_in_a_cycle_ends_the_right_at_once() {
         let t0 = Instant::now();
-        let mut slice = Slice::new("me_1", S(10));
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
         slice.confirm(t0, &assignment(1, &[(1, 1), (2, 1)]));
         let change = slice.confirm(t0 + S(2), &assignment(2, &[(2, 1)]));
         assert_eq!(change.released, BTreeSet::from([1]));
@@ -223,7 +226,7 @@ mod tests {
     #[test]
     fn older_assignments_are_ignored() {
         let t0 = Instant::now();
-        let mut slice = Slice::new("me_1", S(10));
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
         slice.confirm(t0, &assignment(5, &[]));
         assert!(slice.apply(&assignment(4, &[(1, 4)])).is_empty(), "a stale watch event");
         assert_eq!(slice.permit(1, t0), None);
@@ -232,7 +235,7 @@ mod tests {
     #[test]
     fn drained_only_when_no_reconcile_runs_and_no_abandoned_write_can_land() {
         let t0 = Instant::now();
-        let mut slice = Slice::new("me_1", S(10));
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
         slice.confirm(t0, &assignment(1, &[(1, 1)]));
         assert_eq!(slice.begin(1, t0), Some(1));
         slice.apply(&assignment(2, &[]));
@@ -246,7 +249,7 @@ mod tests {
     #[test]
     fn a_bucket_given_back_while_draining_is_ours_again() {
         let t0 = Instant::now();
-        let mut slice = Slice::new("me_1", S(10));
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
         slice.confirm(t0, &assignment(1, &[(1, 1)]));
         slice.begin(1, t0);
         slice.apply(&assignment(2, &[]));
@@ -258,7 +261,7 @@ mod tests {
     #[test]
     fn after_release_all_nothing_is_taken_back() {
         let t0 = Instant::now();
-        let mut slice = Slice::new("me_1", S(10));
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
         slice.confirm(t0, &assignment(1, &[(1, 1)]));
         slice.begin(1, t0);
         slice.abandoned(1, t0 + S(5));
@@ -273,7 +276,7 @@ mod tests {
     #[test]
     fn a_lapse_keeps_the_slice_but_refuses_writes_until_a_cycle_confirms_it() {
         let t0 = Instant::now();
-        let mut slice = Slice::new("me_1", S(10));
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
         slice.confirm(t0, &assignment(1, &[(1, 1)]));
         assert!(!slice.lease_valid(t0 + S(30)));
         slice.renewed(t0 + S(29));

@@ -52,6 +52,7 @@ pub async fn upkeep(handle: PrometheusHandle) {
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     PROCESS.describe();
+    describe_gauge!("traffic_policy_shard_mode", "1 for the sharding mode in use: labels or shard-selector.");
     describe_gauge!("workqueue_depth", "Current depth of the work queue, by lane (priority).");
     describe_counter!("rest_client_requests_total", "API requests, by method and status code.");
     describe_histogram!("rest_client_request_duration_seconds", "API request latency until the response headers.");
@@ -117,6 +118,11 @@ pub fn set_leader(leading: bool) {
 
 pub fn set_members_alive(count: usize) {
     gauge!("traffic_policy_members_alive").set(count as f64);
+}
+
+/// 1 for the sharding mode in use (`labels` or `shard-selector`).
+pub fn set_shard_mode(mode: &'static str) {
+    gauge!("traffic_policy_shard_mode", "mode" => mode).set(1.0);
 }
 
 pub fn set_buckets_owned(count: usize) {

@@ -17,6 +17,7 @@ use kube::{Client, ResourceExt};
 use serde::Deserialize;
 use tokio::sync::OnceCell;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::sharding::bucket::Mode;
 
 pub const DEADLINE: Duration = Duration::from_secs(60);
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
@@ -177,6 +178,12 @@ pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &str) -> T {
 }
 
 /// Lease duration, renew deadline and retry period for the replicas the tests start.
+/// The sharding mode the operator picks on the shared control plane: the shard selector
+/// where its kube-apiserver honours one (see `controlplane::sharded_list_and_watch`).
+pub fn expected_mode() -> Mode {
+    if controlplane::sharded_list_and_watch() { Mode::ShardSelector } else { Mode::Labels }
+}
+
 /// Short timings (4 s / 3 s / 0.5 s) keep the suites quick; `TPO_TEST_LEASE_TIMINGS=15,10,2`
 /// (seconds) runs them at client-go's defaults instead, to measure takeover there.
 pub fn lease_timings() -> (Duration, Duration, Duration) {

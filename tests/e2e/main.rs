@@ -4,6 +4,7 @@
 
 mod lifecycle;
 mod metrics;
+mod mode;
 mod priority;
 mod restart;
 #[path = "../common/mod.rs"]

@@ -68,7 +68,12 @@ async fn failures_prometheus_could_not_see_before_show_in_metrics() {
     let watched = format!("{}-watched", env.namespace);
     let namespace: Namespace = serde_json::from_value(serde_json::json!({ "metadata": { "name": watched } })).unwrap();
     Api::<Namespace>::all(env.client.clone()).create(&PostParams::default(), &namespace).await.unwrap();
-    let args = vec![format!("--watch-namespace={watched}"), format!("--namespace={}", env.namespace)];
+    // Labelling is label mode's: asked for, whatever the server offers.
+    let args = vec![
+        format!("--watch-namespace={watched}"),
+        format!("--namespace={}", env.namespace),
+        "--shard-mode=labels".to_string(),
+    ];
     // Never Ready (its ConfigMap watch cannot list), so not waited for.
     let operator = Operator::spawn(env.cp, &identity.kubeconfig_path, "limited", &args);
     Api::<ApplicationTrafficPolicy>::namespaced(env.client.clone(), &watched)

@@ -1,15 +1,16 @@
-//! Real changes go before backlog: policies the leader labels from its backlog (as after a
-//! preload) wait in the low lane, and an edit of one of them jumps ahead.
+//! Real changes go before backlog: policies of the initial list (as after a preload) wait in
+//! the low lane, and an edit of one of them jumps ahead. In label mode, those the leader
+//! labels from its backlog are marked so, and wait there too.
 
 use futures::future::join_all;
 use kube::ResourceExt;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
-use traffic_policy_operator::sharding::bucket::{BACKLOG_ANNOTATION, BUCKET_LABEL};
+use traffic_policy_operator::sharding::bucket::{BACKLOG_ANNOTATION, BUCKET_LABEL, Mode};
 
 use crate::lifecycle::policy;
-use crate::support::{TestEnv, eventually};
+use crate::support::{TestEnv, eventually, expected_mode};
 
 const BACKLOG: usize = 300;
 
@@ -27,14 +28,20 @@ async fn an_edit_goes_before_a_preloaded_backlog() {
     // One worker, so that the backlog takes a while.
     let _operator = env.start_operator(&["--workers=1"]).await;
 
-    // The last policy of the list is labelled last, from the backlog, and marked so.
     let last = format!("app-{:03}", BACKLOG - 1);
-    let labelled = eventually("the last policy of the backlog is labelled", || async {
-        let p = policies.get_opt(&last).await.ok()??;
-        p.labels().contains_key(BUCKET_LABEL).then_some(p)
-    })
-    .await;
-    assert_eq!(labelled.annotations().get(BACKLOG_ANNOTATION).map(String::as_str), Some("true"));
+    match expected_mode() {
+        // The last policy of the list is labelled last, from the backlog, and marked so.
+        Mode::Labels => {
+            let labelled = eventually("the last policy of the backlog is labelled", || async {
+                let p = policies.get_opt(&last).await.ok()??;
+                p.labels().contains_key(BUCKET_LABEL).then_some(p)
+            })
+            .await;
+            assert_eq!(labelled.annotations().get(BACKLOG_ANNOTATION).map(String::as_str), Some("true"));
+        }
+        // The shard-selected watch needs no label (checked at the end).
+        Mode::ShardSelector => {}
+    }
     let edited = policies
         .patch(
             &last,
@@ -58,4 +65,10 @@ async fn an_edit_goes_before_a_preloaded_backlog() {
         ready_when_served < BACKLOG / 2,
         "the edit waited behind the backlog: {ready_when_served} of {BACKLOG} were Ready first"
     );
+    if expected_mode() == Mode::ShardSelector {
+        let labelled = policies.list(&ListParams::default()).await.unwrap().items.into_iter();
+        let labelled: Vec<String> =
+            labelled.filter(|p| p.labels().contains_key(BUCKET_LABEL)).map(|p| p.name_any()).collect();
+        assert!(labelled.is_empty(), "policies were labelled although the server selects by namespace: {labelled:?}");
+    }
 }

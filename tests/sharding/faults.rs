@@ -13,11 +13,11 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 use traffic_policy_operator::coordination::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE};
 use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
-use traffic_policy_operator::sharding::bucket::{self, bucket_of};
+use traffic_policy_operator::sharding::bucket::{self, Mode};
 use traffic_policy_operator::sharding::ring::Ring;
 
 use crate::audit;
-use crate::common::eventually;
+use crate::common::{eventually, expected_mode};
 use crate::fleet::{self, Fleet, policy, set_rate, until};
 use crate::server::{self, rate_of};
 use crate::{SERIAL, writers};
@@ -136,7 +136,7 @@ async fn a_deleted_member_lease_is_not_taken_for_a_dead_member() {
     let moved: BTreeSet<String> = fleet.server_writes()[before..]
         .iter()
         .filter(|w| !r1.contains(&w.user))
-        .filter(|w| w.object.split('/').nth(1).is_some_and(|ns| r1_slice.contains(&bucket_of(ns))))
+        .filter(|w| w.object.split('/').nth(1).is_some_and(|ns| r1_slice.contains(&expected_mode().bucket_of(ns))))
         .map(|w| format!("{} by {}", w.object, w.user))
         .collect();
     assert!(moved.is_empty(), "r-1's objects were written by others after its Lease was deleted: {moved:?}");
@@ -204,7 +204,12 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
         .rfind(|(_, replica, _)| replica == "r-0")
         .map(|(_, _, buckets)| buckets)
         .unwrap();
-    let namespace = fleet.namespaces.iter().find(|ns| owned.contains(&bucket_of(ns))).cloned().expect("r-0 owns one");
+    let namespace = fleet
+        .namespaces
+        .iter()
+        .find(|ns| owned.contains(&expected_mode().bucket_of(ns)))
+        .cloned()
+        .expect("r-0 owns one");
     let child = format!("{namespace}/app-0");
     let client = fleet.client();
 
@@ -277,8 +282,11 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     again.metadata.namespace = Some(namespace.clone());
     // Restored from a copy that kept its bucket label (as `kubectl get -o yaml` would): the
     // label-selected watch sees it at once, with no unlabelled phase that would hide the gap.
-    let bucket = bucket::label_value(bucket_of(&namespace));
-    again.labels_mut().insert(bucket::BUCKET_LABEL.into(), bucket);
+    // (The shard-selected watch sees it at once anyway.)
+    if expected_mode() == Mode::Labels {
+        let bucket = bucket::label_value(bucket::bucket_of(&namespace));
+        again.labels_mut().insert(bucket::BUCKET_LABEL.into(), bucket);
+    }
     let created = policies.create(&PostParams::default(), &again).await.unwrap();
     assert_ne!(created.uid(), Some(old_uid.clone()));
     let revision: u64 = created.resource_version().unwrap().parse().unwrap();
@@ -315,7 +323,7 @@ async fn a_stuck_reconcile_holds_up_neither_the_buckets_gained_nor_the_one_it_bl
     let (two, next) = (two.assign_names(), next.assign_names());
     let moving = |from: &str, to: &str| {
         let ns = fleet.namespaces.iter().find(|ns| {
-            let bucket = usize::from(bucket_of(ns));
+            let bucket = usize::from(expected_mode().bucket_of(ns));
             two[bucket] == Some(from) && next[bucket] == Some(to)
         });
         ns.unwrap_or_else(|| panic!("no namespace of the scenario moves from {from} to {to}")).clone()

@@ -89,6 +89,13 @@ pub struct Verdict {
 }
 
 pub fn judge(writes: &[Write]) -> Verdict {
+    judge_by(writes, true)
+}
+
+/// `judge`, with the epoch-free check only when `spec_changes` is set: a change of sharding
+/// mode changes the children's labels, so every new owner rightly applies each spec once more
+/// and only the epochs tell an overlap there.
+pub fn judge_by(writes: &[Write], spec_changes: bool) -> Verdict {
     let mut verdict = Verdict { writes: writes.len(), ..Default::default() };
     let mut highest: BTreeMap<&str, u64> = BTreeMap::new();
     let mut writers: BTreeMap<(&str, u64), BTreeSet<&str>> = BTreeMap::new();
@@ -105,7 +112,7 @@ pub fn judge(writes: &[Write]) -> Verdict {
         if !(200..300).contains(&w.code) {
             continue;
         }
-        if let Some(rate) = w.rate {
+        if let Some(rate) = w.rate.filter(|_| spec_changes) {
             let users = applied.entry((&w.object, rate)).or_default();
             users.insert(&w.user);
             if users.len() == 2 {

@@ -57,6 +57,16 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 /// requests); fault tests want a restart, not a drain, so it gets SIGKILL after this.
 const APISERVER_STOP_GRACE: Duration = Duration::from_secs(2);
 
+/// kube-apiserver's alpha gate for shard selectors on list and watch (KEP-5866).
+pub const SHARDED_LIST_AND_WATCH: &str = "ShardedListAndWatch=true";
+
+/// Whether the shared control plane serves shard selectors: yes, unless
+/// `TPO_TEST_SHARDED_LIST_AND_WATCH=off`, so that the suites run in either sharding mode
+/// (the operator picks the shard selector where the server honours it, labels otherwise).
+pub fn sharded_list_and_watch() -> bool {
+    std::env::var("TPO_TEST_SHARDED_LIST_AND_WATCH").as_deref() != Ok("off")
+}
+
 /// What to start. `Config::default()` is what the tests use.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -162,7 +172,9 @@ impl ControlPlane {
     pub fn shared() -> &'static ControlPlane {
         static SHARED: OnceLock<ControlPlane> = OnceLock::new();
         SHARED.get_or_init(|| {
-            let config = Config { audit_writes: true, ..Config::default() };
+            let feature_gates =
+                if sharded_list_and_watch() { vec![SHARDED_LIST_AND_WATCH.to_string()] } else { vec![] };
+            let config = Config { audit_writes: true, feature_gates, ..Config::default() };
             let cp = ControlPlane::start(config).unwrap_or_else(|e| panic!("{e:#}"));
             extern "C" fn teardown() {
                 if let Some(cp) = SHARED.get() {

@@ -1,0 +1,63 @@
+//! Which sharding mode this process uses, chosen once at start-up: the API server's shard
+//! selector where it honours one (kube-apiserver with the `ShardedListAndWatch` feature
+//! gate), bucket labels otherwise. The choice is logged, exported as
+//! `traffic_policy_shard_mode`, and written into the assignment by the leader.
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::{Client, Resource};
+
+use crate::sharding::bucket::Mode;
+use crate::telemetry::metrics;
+
+/// `--shard-mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Requested {
+    /// The shard selector if the API server honours it, else labels.
+    #[default]
+    Auto,
+    /// Bucket labels, whatever the server offers.
+    Labels,
+    /// The shard selector; start-up fails if the server does not honour it.
+    ShardSelector,
+}
+
+pub async fn choose(client: &Client, namespace: &str, requested: Requested) -> anyhow::Result<Mode> {
+    let mode = match requested {
+        Requested::Labels => Mode::Labels,
+        Requested::Auto => match server_honours_shard_selector(client, namespace).await {
+            Ok(true) => Mode::ShardSelector,
+            Ok(false) => Mode::Labels,
+            Err(error) => {
+                tracing::warn!(%error, "cannot tell whether the API server honours shard selectors; using labels");
+                Mode::Labels
+            }
+        },
+        Requested::ShardSelector => match server_honours_shard_selector(client, namespace).await? {
+            true => Mode::ShardSelector,
+            false => anyhow::bail!(
+                "--shard-mode=shard-selector: the API server ignores shardSelector (no metadata.shardInfo in a \
+                 list response); enable kube-apiserver's ShardedListAndWatch feature gate, or use --shard-mode=auto"
+            ),
+        },
+    };
+    tracing::info!(mode = mode.as_str(), ?requested, "sharding mode chosen");
+    metrics::set_shard_mode(mode.as_str());
+    Ok(mode)
+}
+
+/// Lists one ConfigMap of our namespace with a shard selector: a server that honoured it
+/// says so in `metadata.shardInfo`. (ConfigMaps, because kube-apiserver 1.36 filters custom
+/// resources by the selector but does not report `shardInfo` for them; the gate is
+/// server-wide.)
+async fn server_honours_shard_selector(client: &Client, namespace: &str) -> anyhow::Result<bool> {
+    let everything =
+        crate::sharding::shard_range::selector(&(0..crate::sharding::bucket::BUCKETS).collect()).expect("all buckets");
+    let query = form_urlencoded::Serializer::new(String::new())
+        .append_pair("limit", "1")
+        .append_pair("shardSelector", &everything)
+        .finish();
+    let url = format!("{}?{query}", ConfigMap::url_path(&(), Some(namespace)));
+    let request = http::Request::get(url).body(Vec::new())?;
+    let list: serde_json::Value = client.request(request).await?;
+    Ok(list.pointer("/metadata/shardInfo").is_some())
+}
