@@ -213,6 +213,15 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let child = format!("{namespace}/app-0");
     let client = fleet.client();
 
+    // r-0's watches restart on every change of its slice, and a watch request sent once the
+    // delay is on would wait with the rest: first see an edit reach r-0 through its watch.
+    let probed = fleet::now_ns();
+    set_rate(&client, &namespace, "app-0").await.unwrap();
+    until("r-0 writes a spec change it saw through its own watch", || {
+        fleet.audit().iter().any(|e| e.t > probed && e.replica == "r-0" && e.event == "write" && e.object == child)
+    })
+    .await;
+
     // r-0's write of the next spec is delayed on its way, past r-0's lease and a handoff
     // (its renewals are delayed too, so its slice is revoked and given to another replica).
     let fenced_before = fleet.verdict().fenced;
