@@ -111,8 +111,6 @@ pub struct Follower {
     /// What the watches were last pointed at; `None` before the first selector.
     watching: Option<BTreeSet<Bucket>>,
     applied: u64,
-    /// Whether the applied assignment is of our sharding mode.
-    mode_matches: bool,
 }
 
 /// What our watches ask the API server for, to see `owned`.
@@ -147,7 +145,6 @@ impl Follower {
             audit,
             watching: None,
             applied: 0,
-            mode_matches: false,
         }
     }
 
@@ -191,8 +188,7 @@ impl Follower {
         let mode = self.ownership.mode();
         if let Some(published) = self.view.newer_than(self.applied) {
             self.applied = published.assignment.generation;
-            self.mode_matches = published.assignment.mode == mode;
-            if !self.mode_matches {
+            if published.assignment.mode != mode {
                 tracing::warn!(
                     ours = mode.as_str(),
                     assignment = published.assignment.mode.as_str(),

@@ -4,9 +4,11 @@
 //! `traffic_policy_shard_mode`, and written into the assignment by the leader.
 
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::{Client, Resource};
+use kube::Client;
+use kube::api::{Api, ListParams};
 
-use crate::sharding::bucket::Mode;
+use crate::sharding::bucket::{BUCKETS, Mode};
+use crate::sharding::shard_range;
 use crate::telemetry::metrics;
 
 /// `--shard-mode`.
@@ -50,14 +52,8 @@ pub async fn choose(client: &Client, namespace: &str, requested: Requested) -> a
 /// resources by the selector but does not report `shardInfo` for them; the gate is
 /// server-wide.)
 async fn server_honours_shard_selector(client: &Client, namespace: &str) -> anyhow::Result<bool> {
-    let everything =
-        crate::sharding::shard_range::selector(&(0..crate::sharding::bucket::BUCKETS).collect()).expect("all buckets");
-    let query = form_urlencoded::Serializer::new(String::new())
-        .append_pair("limit", "1")
-        .append_pair("shardSelector", &everything)
-        .finish();
-    let url = format!("{}?{query}", ConfigMap::url_path(&(), Some(namespace)));
-    let request = http::Request::get(url).body(Vec::new())?;
-    let list: serde_json::Value = client.request(request).await?;
-    Ok(list.pointer("/metadata/shardInfo").is_some())
+    let everything = shard_range::selector(&(0..BUCKETS).collect()).expect("all buckets");
+    let client = crate::client::with_query(client.clone(), "shardSelector", &everything);
+    let list = Api::<ConfigMap>::namespaced(client, namespace).list(&ListParams::default().limit(1)).await?;
+    Ok(list.metadata.shard_info.is_some())
 }
