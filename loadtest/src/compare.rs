@@ -1,7 +1,8 @@
 //! `loadtest compare`: the same policies, one mode after another in one invocation, each on
 //! a fresh control plane: the API write floor, the operator (one replica, then three) in
-//! shard-selector and in label mode, the controller-runtime peer and the plain kube-rs
-//! peer. Prints the ratios that count.
+//! shard-selector and in label mode, the controller-runtime peer and the kube-rs peers (plain,
+//! and trimmed as the operator trims). Prints the ratios that count, each against its target
+//! (issue 11's, set for 20k policies) with a pass or fail.
 
 use std::path::PathBuf;
 
@@ -30,6 +31,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ("operator x1 labels", Mode::Operator, 1, Labels),
         ("controller-runtime", Mode::ControllerRuntime, 1, ShardSelector),
         ("kube-rs Controller", Mode::KubeRs, 1, ShardSelector),
+        ("kube-rs Controller, trimmed", Mode::KubeRsTrimmed, 1, ShardSelector),
         ("operator x3", Mode::Operator, 3, ShardSelector),
         ("operator x3 labels", Mode::Operator, 3, Labels),
     ];
@@ -90,34 +92,37 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let ours = get("operator x1");
     let three = get("operator x3");
     let floor = seconds(get("floor"));
-    let mut ratios = json!({
-        "convergence_over_floor": seconds(ours) / floor,
-        "labels_convergence_over_floor": seconds(get("operator x1 labels")) / floor,
-        "three_convergence_over_floor": seconds(three) / floor,
-        "three_labels_convergence_over_floor": seconds(get("operator x3 labels")) / floor,
-    });
+    let mut ratios = json!({});
     println!();
-    println!("| ratio | value |");
-    println!("|---|---|");
-    for (what, key) in [
-        ("operator convergence / write floor (shard selector, 1 replica)", "convergence_over_floor"),
-        ("operator convergence / write floor (labels, 1 replica)", "labels_convergence_over_floor"),
-        ("operator convergence / write floor (shard selector, 3 replicas)", "three_convergence_over_floor"),
-        ("operator convergence / write floor (labels, 3 replicas)", "three_labels_convergence_over_floor"),
-    ] {
-        println!("| {what} | {:.2} |", ratios[key].as_f64().unwrap());
+    println!("| ratio | value | target | |");
+    println!("|---|---|---|---|");
+    let mut report = |key: String, what: String, value: f64, target: Option<f64>| {
+        let verdict = target.map_or("", |t| if value <= t { "pass" } else { "fail" });
+        let target = target.map_or(String::new(), |t| format!("≤ {t}"));
+        println!("| {what} | {value:.2} | {target} | {verdict} |");
+        ratios[key] = json!(value);
+    };
+    for (label, target) in
+        [("operator x1", 1.2), ("operator x1 labels", 1.5), ("operator x3", 1.2), ("operator x3 labels", 1.5)]
+    {
+        let key = format!("{}_convergence_over_floor", label.replace(' ', "_"));
+        report(key, format!("{label} convergence / write floor"), seconds(get(label)) / floor, Some(target));
     }
-    for peer in ["controller-runtime", "kube-rs Controller"] {
+    for (peer, targets) in
+        [("controller-runtime", Some(0.5)), ("kube-rs Controller", None), ("kube-rs Controller, trimmed", None)]
+    {
         let p = get(peer);
-        let (c, m, t) = (cpu(ours) / cpu(p), peak(ours) / peak(p), seconds(ours) / seconds(p));
-        println!("| operator / {peer}: CPU-seconds | {c:.2} |");
-        println!("| operator / {peer}: peak RSS | {m:.2} |");
-        println!("| operator / {peer}: convergence time | {t:.2} |");
-        ratios[peer] = json!({ "cpu": c, "peak_rss": m, "convergence": t });
+        let key = |what: &str| format!("{}_{what}", peer.replace([' ', ','], "_"));
+        report(key("cpu"), format!("operator / {peer}: CPU-seconds"), cpu(ours) / cpu(p), targets);
+        report(key("peak_rss"), format!("operator / {peer}: peak RSS"), peak(ours) / peak(p), targets);
+        report(key("convergence"), format!("operator / {peer}: convergence time"), seconds(ours) / seconds(p), None);
     }
-    let per_replica = peak(three) / peak(ours);
-    println!("| per-replica peak RSS, 3 replicas / 1 replica | {per_replica:.2} |");
-    ratios["three_replica_rss_ratio"] = json!(per_replica);
+    report(
+        "three_replica_rss_ratio".into(),
+        "largest replica's peak RSS, 3 replicas / 1 replica".into(),
+        peak(three) / peak(ours),
+        Some(0.4),
+    );
 
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;

@@ -33,6 +33,9 @@ pub enum Mode {
     ControllerRuntime,
     /// The same reconcile on a plain kube-rs `Controller` (the `kube-rs-peer` binary), one process.
     KubeRs,
+    /// The same reconcile on kube-runtime's `Controller` with the operator's trimming, generation
+    /// predicate and metadata-only child watches (`kube-rs-peer --trimmed`), one process.
+    KubeRsTrimmed,
 }
 
 /// How the operator's replicas select their slices (operator mode).
@@ -233,7 +236,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     let mut replicas = match args.mode {
         Mode::Operator => start_replicas(cp, &client, args).await?,
         Mode::Floor => Vec::new(),
-        Mode::ControllerRuntime | Mode::KubeRs => vec![start_peer(cp, args)?],
+        Mode::ControllerRuntime | Mode::KubeRs | Mode::KubeRsTrimmed => vec![start_peer(cp, args)?],
     };
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let pids: Watched =
@@ -389,13 +392,18 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
 
 /// A peer controller: one process, with only a kubeconfig. It has no metrics port.
 fn start_peer(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<Replica> {
+    let kube_rs_peer = || std::env::current_exe().map(|exe| exe.with_file_name("kube-rs-peer"));
     let (name, binary) = match args.mode {
-        Mode::KubeRs => ("kube-rs-peer", std::env::current_exe()?.with_file_name("kube-rs-peer")),
+        Mode::KubeRs => ("kube-rs-peer", kube_rs_peer()?),
+        Mode::KubeRsTrimmed => ("kube-rs-trimmed-peer", kube_rs_peer()?),
         _ => ("controller-runtime-peer", controller_runtime_peer()?),
     };
     anyhow::ensure!(binary.is_file(), "no peer binary at {}", binary.display());
     let log = cp.dir().join(format!("{name}.log"));
-    let args = vec!["--kubeconfig".to_string(), cp.kubeconfig_path().display().to_string()];
+    let mut args = vec!["--kubeconfig".to_string(), cp.kubeconfig_path().display().to_string()];
+    if name == "kube-rs-trimmed-peer" {
+        args.push("--trimmed".into());
+    }
     let process = controlplane::process::Process::start(name, &binary, &args, &log)?;
     Ok(Replica { name: name.into(), process, metrics_port: 0 })
 }

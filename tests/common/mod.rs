@@ -23,17 +23,26 @@ pub const DEADLINE: Duration = Duration::from_secs(60);
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
 
 /// Polls `check` every 100 ms until it returns `Some`, or panics after [`DEADLINE`].
-pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
-    let deadline = Instant::now() + DEADLINE;
+    eventually_within(DEADLINE, what, check).await
+}
+
+/// [`eventually`] with a deadline of the caller's, for work that is slow on purpose.
+pub async fn eventually_within<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
     loop {
         if let Some(value) = check().await {
             return value;
         }
-        assert!(Instant::now() < deadline, "timed out after {DEADLINE:?} waiting until {what}");
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

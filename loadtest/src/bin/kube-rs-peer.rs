@@ -1,7 +1,15 @@
-//! The ApplicationTrafficPolicy reconcile on a plain kube-rs `Controller` with default
-//! settings: the comparison peer of the load test. It reuses the operator's pure desired
-//! state, applies the children and patches status, and nothing else (no sharding, no
-//! trimming, no queue of its own).
+//! The ApplicationTrafficPolicy reconcile on kube-runtime's `Controller`: the comparison peer
+//! of the load test. It reuses the operator's pure desired state, applies the children and
+//! patches status, and nothing else (no sharding).
+//!
+//! Plain (the default): `Controller::new` and `owns` with default settings, as a first
+//! kube-rs controller is written: full objects cached, every event reconciled.
+//!
+//! `--trimmed`: what the operator's runtime does besides its own queue and workers, on
+//! kube-runtime's: the policy cache trimmed as the operator trims it, only spec changes
+//! (generation) reconciled, and children watched as metadata only with the operator's label
+//! selector (`for_stream`, `owns_stream`). Comparing the operator with this peer isolates
+//! what the operator's queue, predicate and controller buy over kube-runtime's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,10 +18,12 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Client;
-use kube::api::Api;
+use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
+use traffic_policy_operator::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
+use traffic_policy_operator::runtime::watch::trim;
 
 async fn reconcile(policy: Arc<ApplicationTrafficPolicy>, client: Arc<Client>) -> Result<Action, kube::Error> {
     loadtest::writes::converge(&client, &policy, "kube-rs-peer").await?;
@@ -22,6 +32,32 @@ async fn reconcile(policy: Arc<ApplicationTrafficPolicy>, client: Arc<Client>) -
 
 fn error_policy(_: Arc<ApplicationTrafficPolicy>, _: &kube::Error, _: Arc<Client>) -> Action {
     Action::requeue(Duration::from_secs(5))
+}
+
+fn plain(client: &Client) -> Controller<ApplicationTrafficPolicy> {
+    Controller::new(Api::<ApplicationTrafficPolicy>::all(client.clone()), watcher::Config::default())
+        .owns(Api::<NetworkPolicy>::all(client.clone()), watcher::Config::default())
+        .owns(Api::<ConfigMap>::all(client.clone()), watcher::Config::default())
+}
+
+fn trimmed(client: &Client) -> Controller<ApplicationTrafficPolicy> {
+    let (reader, writer) = reflector::store();
+    let policies = watcher(Api::<ApplicationTrafficPolicy>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .modify(trim)
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+    let children = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
+    let network_policies = watcher(Api::<PartialObjectMeta<NetworkPolicy>>::all(client.clone()), children.clone())
+        .default_backoff()
+        .modify(trim)
+        .touched_objects();
+    let config_maps = watcher(Api::<PartialObjectMeta<ConfigMap>>::all(client.clone()), children)
+        .default_backoff()
+        .modify(trim)
+        .touched_objects();
+    Controller::for_stream(policies, reader).owns_stream(network_policies).owns_stream(config_maps)
 }
 
 #[tokio::main]
@@ -35,12 +71,7 @@ async fn main() -> anyhow::Result<()> {
         None => kube::Config::infer().await?,
     };
     let client = Client::try_from(config)?;
-    Controller::new(Api::<ApplicationTrafficPolicy>::all(client.clone()), watcher::Config::default())
-        .owns(Api::<NetworkPolicy>::all(client.clone()), watcher::Config::default())
-        .owns(Api::<ConfigMap>::all(client.clone()), watcher::Config::default())
-        .shutdown_on_signal()
-        .run(reconcile, error_policy, Arc::new(client))
-        .for_each(|_| async {})
-        .await;
+    let controller = if std::env::args().any(|a| a == "--trimmed") { trimmed(&client) } else { plain(&client) };
+    controller.shutdown_on_signal().run(reconcile, error_policy, Arc::new(client)).for_each(|_| async {}).await;
     Ok(())
 }
