@@ -27,7 +27,7 @@ use crate::sample::{self, Sample};
 pub enum Mode {
     /// The operator converges the policies.
     Operator,
-    /// The tool makes the operator's writes itself (two applies and a status patch per policy).
+    /// The tool makes the operator's writes itself (two applies, a status patch and an event per policy).
     Floor,
     /// The same reconcile on controller-runtime (loadtest/peers/controller-runtime), one process.
     ControllerRuntime,
@@ -480,10 +480,17 @@ fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTraffic
     }))?)
 }
 
+/// The floor's event recorder, reporting as the operator does.
+fn floor_recorder(client: &Client) -> kube::runtime::events::Recorder {
+    let reporter = kube::runtime::events::Reporter { controller: "loadtest-floor".into(), instance: None };
+    kube::runtime::events::Recorder::new(client.clone(), reporter)
+}
+
 pub async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
+    let recorder = floor_recorder(client);
     futures::stream::iter(0..args.objects)
         .map(|i| {
-            let (client, tracker) = (client.clone(), tracker.clone());
+            let (client, tracker, recorder) = (client.clone(), tracker.clone(), recorder.clone());
             async move {
                 let policy = policy(i, args, 8080)?;
                 let namespace = policy.namespace().unwrap_or_default();
@@ -491,7 +498,7 @@ pub async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracke
                 tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 1);
                 let created = api.create(&PostParams::default(), &policy).await.context("create")?;
                 if args.mode == Mode::Floor {
-                    loadtest::writes::converge(&client, &created, FIELD_MANAGER).await?;
+                    loadtest::writes::converge_as_the_operator(&client, &recorder, &created, FIELD_MANAGER).await?;
                 }
                 anyhow::Ok(())
             }
@@ -564,9 +571,10 @@ async fn delete_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>)
 }
 
 async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
+    let recorder = floor_recorder(client);
     futures::stream::iter(0..count)
         .map(|i| {
-            let (client, tracker) = (client.clone(), tracker.clone());
+            let (client, tracker, recorder) = (client.clone(), tracker.clone(), recorder.clone());
             async move {
                 let namespace = args.namespace_of(i);
                 let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
@@ -574,7 +582,7 @@ async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<M
                 tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 2);
                 let updated = api.patch(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&patch)).await?;
                 if args.mode == Mode::Floor {
-                    loadtest::writes::converge(&client, &updated, FIELD_MANAGER).await?;
+                    loadtest::writes::converge_as_the_operator(&client, &recorder, &updated, FIELD_MANAGER).await?;
                 }
                 anyhow::Ok(())
             }

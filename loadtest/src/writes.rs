@@ -1,11 +1,13 @@
 //! The writes that converge one policy: server-side applies of its NetworkPolicy and
-//! rate-limit ConfigMap, and a Ready status for its generation. The load test's floor mode
-//! and the kube-rs peer both make exactly these.
+//! rate-limit ConfigMap, and a Ready status for its generation. The kube-rs peers make
+//! exactly these; the load test's floor makes them and the operator's "Applied" event too,
+//! so that it makes every write the operator makes except those that exist only for sharding.
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, Patch, PatchParams};
-use kube::{Client, ResourceExt};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::desired;
@@ -30,4 +32,23 @@ pub async fn converge(client: &Client, policy: &ApplicationTrafficPolicy, field_
         .patch_status(&policy.name_any(), &PatchParams::default(), &Patch::Merge(&status))
         .await?;
     Ok(())
+}
+
+/// [`converge`], then the event the operator publishes after applying both children.
+pub async fn converge_as_the_operator(
+    client: &Client,
+    recorder: &Recorder,
+    policy: &ApplicationTrafficPolicy,
+    field_manager: &str,
+) -> kube::Result<()> {
+    converge(client, policy, field_manager).await?;
+    let generation = policy.metadata.generation.unwrap_or_default();
+    let event = Event {
+        type_: EventType::Normal,
+        reason: "Applied".into(),
+        note: Some(format!("Applied NetworkPolicy and ConfigMap for generation {generation}")),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    recorder.publish(&event, &policy.object_ref(&())).await
 }
