@@ -80,11 +80,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("| run | converged in | CPU-seconds | peak RSS per process | p50 / p99 latency |");
     println!("|---|---|---|---|---|");
     for (label, r) in &results {
+        // The floor has no controller process to measure.
+        let has_process = r["replica_stats"].as_array().is_some_and(|a| !a.is_empty());
+        let (cpu, peak) = match has_process {
+            true => (format!("{:.1}", cpu(r)), format!("{:.1} MiB", peak(r) / 1048576.0)),
+            false => ("–".to_string(), "–".to_string()),
+        };
         println!(
-            "| {label} | {:.1} s | {:.1} | {:.1} MiB | {:.0} / {:.0} ms |",
+            "| {label} | {:.1} s | {cpu} | {peak} | {:.0} / {:.0} ms |",
             seconds(r),
-            cpu(r),
-            peak(r) / 1048576.0,
             r["latency_ms"]["p50"].as_f64().unwrap_or_default(),
             r["latency_ms"]["p99"].as_f64().unwrap_or_default()
         );
