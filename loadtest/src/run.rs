@@ -721,12 +721,16 @@ pub fn summary(result: &serde_json::Value) -> String {
         }
     }
     for r in result["replica_stats"].as_array().into_iter().flatten() {
+        // A peer serves no /metrics, so it has no cache figure to show.
+        let cached = match r["final_metrics_series"].as_u64().unwrap_or(0) {
+            0 => String::new(),
+            _ => format!(", {:.0} cached", r["final_cached_objects"].as_f64().unwrap_or_default()),
+        };
         text += &format!(
-            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB, {} cached\n",
+            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB{cached}\n",
             r["replica"].as_str().unwrap_or_default(),
             r["cpu_seconds"].as_f64().unwrap_or_default(),
             r["peak_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
-            r["final_cached_objects"]
         );
     }
     text
