@@ -112,13 +112,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let key = format!("{}_convergence_over_floor", label.replace(' ', "_"));
         report(key, format!("{label} convergence / write floor"), seconds(get(label)) / floor, Some(target));
     }
-    for (peer, targets) in
+    for (peer, target) in
         [("controller-runtime", Some(0.5)), ("kube-rs Controller", None), ("kube-rs Controller, trimmed", None)]
     {
         let p = get(peer);
         let key = |what: &str| format!("{}_{what}", peer.replace([' ', ','], "_"));
-        report(key("cpu"), format!("operator / {peer}: CPU-seconds"), cpu(ours) / cpu(p), targets);
-        report(key("peak_rss"), format!("operator / {peer}: peak RSS"), peak(ours) / peak(p), targets);
+        report(key("cpu"), format!("operator / {peer}: CPU-seconds"), cpu(ours) / cpu(p), target);
+        report(key("peak_rss"), format!("operator / {peer}: peak RSS"), peak(ours) / peak(p), target);
         report(key("convergence"), format!("operator / {peer}: convergence time"), seconds(ours) / seconds(p), None);
     }
     report(

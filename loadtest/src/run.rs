@@ -393,17 +393,15 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
 /// A peer controller: one process, with only a kubeconfig. It has no metrics port.
 fn start_peer(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<Replica> {
     let kube_rs_peer = || std::env::current_exe().map(|exe| exe.with_file_name("kube-rs-peer"));
-    let (name, binary) = match args.mode {
-        Mode::KubeRs => ("kube-rs-peer", kube_rs_peer()?),
-        Mode::KubeRsTrimmed => ("kube-rs-trimmed-peer", kube_rs_peer()?),
-        _ => ("controller-runtime-peer", controller_runtime_peer()?),
+    let (name, binary, extra_args) = match args.mode {
+        Mode::KubeRs => ("kube-rs-peer", kube_rs_peer()?, &[][..]),
+        Mode::KubeRsTrimmed => ("kube-rs-trimmed-peer", kube_rs_peer()?, &["--trimmed"][..]),
+        _ => ("controller-runtime-peer", controller_runtime_peer()?, &[][..]),
     };
     anyhow::ensure!(binary.is_file(), "no peer binary at {}", binary.display());
     let log = cp.dir().join(format!("{name}.log"));
     let mut args = vec!["--kubeconfig".to_string(), cp.kubeconfig_path().display().to_string()];
-    if name == "kube-rs-trimmed-peer" {
-        args.push("--trimmed".into());
-    }
+    args.extend(extra_args.iter().map(|a| a.to_string()));
     let process = controlplane::process::Process::start(name, &binary, &args, &log)?;
     Ok(Replica { name: name.into(), process, metrics_port: 0 })
 }
