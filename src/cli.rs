@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::coordination::{ShardConfig, validate_timings};
+use crate::sharding::balance::Balance;
 use crate::telemetry::logging::LogFormat;
 
 #[derive(Parser, Debug)]
@@ -110,6 +111,12 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_RETRY_PERIOD", default_value = "2s", value_parser = humantime::parse_duration)]
     pub retry_period: Duration,
 
+    /// The leader moves buckets to even out the replicas' policy counts only when the largest
+    /// replica holds this many policies more than the mean (and 5% more): a small imbalance is
+    /// not worth a handoff.
+    #[arg(long, env = "TPO_REBALANCE_MIN_OBJECTS", default_value_t = 200)]
+    pub rebalance_min_objects: u64,
+
     /// How a replica's watches select its slice: `shard-selector` (the API server's
     /// ShardedListAndWatch), `labels` (bucket labels set by the leader), or `auto` (the shard
     /// selector if the server honours it). Every replica of a fleet must end up in one mode.
@@ -173,6 +180,7 @@ impl RunArgs {
             retry_period: self.retry_period,
             drain_timeout: self.drain_timeout,
             watch_namespace: self.watch_namespace.clone(),
+            balance: Balance { min_excess: self.rebalance_min_objects, ..Balance::default() },
         })
     }
 }

@@ -25,6 +25,7 @@ use crate::coordination::follower::{AssignmentView, Follower};
 use crate::coordination::gate::Sharded;
 use crate::coordination::leader::Leader;
 use crate::coordination::lease::MemberLease;
+use crate::coordination::load::LoadReport;
 use crate::coordination::members::Members;
 use crate::coordination::ownership::Ownership;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
@@ -68,7 +69,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let ownership = Ownership::new(&shard.incarnation, mode, shard.renew_deadline, shard.write_bound());
     let members = Arc::new(Members::default());
     let view = Arc::new(AssignmentView::default());
-    let member_lease = Arc::new(MemberLease::new(coordination.clone(), &shard, ownership.clone(), view.clone()));
+    let load = Arc::new(LoadReport::default());
+    let member_lease =
+        Arc::new(MemberLease::new(coordination.clone(), &shard, ownership.clone(), view.clone(), load.clone()));
     let leader = Arc::new(Leader::new(
         coordination.clone(),
         client.clone(),
@@ -154,7 +157,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         reconcile_timeout: args.reconcile_timeout,
         backoff: Backoff::default(),
     };
-    let controller = Controller::new(settings, store, health.clone());
+    let controller = Controller::new(settings, store.clone(), health.clone());
+    tokio::spawn({
+        let (ownership, listed) = (ownership.clone(), controller.listed());
+        async move { load.keep(store, ownership, listed).await }
+    });
     tracing::info!(incarnation = %shard.incarnation, namespace = %shard.namespace, workers = args.workers, "starting");
 
     let admin_shutdown = CancellationToken::new();

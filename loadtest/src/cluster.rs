@@ -101,7 +101,7 @@ async fn drive(client: &Client, args: &Args, id: &str) -> anyhow::Result<serde_j
     for n in 0..args.namespaces {
         let ns = Namespace {
             metadata: ObjectMeta {
-                name: Some(args.namespace_of(n)),
+                name: Some(args.namespace_name(n)),
                 labels: Some(BTreeMap::from([(RUN_LABEL.to_string(), id.to_string())])),
                 ..Default::default()
             },

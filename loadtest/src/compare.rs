@@ -42,6 +42,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             objects: args.objects,
             sharding,
             namespaces: args.namespaces,
+            zipf: None,
             mode,
             replicas,
             workers: args.workers,

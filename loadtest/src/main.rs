@@ -2,6 +2,7 @@
 //! on the real local control plane. Results go to stdout as a table and to a JSON file.
 
 mod at_rest;
+mod balance;
 mod cache_bytes;
 mod chart;
 mod cluster;

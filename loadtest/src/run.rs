@@ -67,6 +67,10 @@ pub struct Args {
     pub sharding: Sharding,
     #[arg(long, default_value_t = 50)]
     pub namespaces: usize,
+    /// Namespace sizes follow Zipf's law with this exponent (the i-th largest holds a share
+    /// proportional to 1/i^s) instead of being equal.
+    #[arg(long)]
+    pub zipf: Option<f64>,
     #[arg(long, value_enum, default_value = "operator")]
     pub mode: Mode,
     /// Operator replicas (operator mode).
@@ -131,13 +135,42 @@ pub struct Args {
 }
 
 impl Args {
-    /// The namespace of policy (or namespace) number `i`.
-    pub fn namespace_of(&self, i: usize) -> String {
+    /// The name of namespace number `n`.
+    pub fn namespace_name(&self, n: usize) -> String {
         // Not ending in the number: the shard selector's hash (FNV-1a) puts names that differ
         // only in their last character in very few buckets (docs/sharding.md).
-        format!("{}{}-ns", self.namespace_prefix, i % self.namespaces)
+        format!("{}{}-ns", self.namespace_prefix, n)
+    }
+
+    /// The namespace of policy number `i`.
+    pub fn namespace_of(&self, i: usize) -> String {
+        let n = match self.zipf {
+            None => i % self.namespaces,
+            Some(s) => zipf_rank(i, self.namespaces, s),
+        };
+        self.namespace_name(n)
     }
 }
+
+/// The namespace of policy `i` when namespace `n` holds a share proportional to 1/(n+1)^s.
+/// Policies are dealt along a low-discrepancy sequence (multiples of the golden ratio), so
+/// consecutive policies land in different namespaces and every prefix of a run is Zipf too.
+fn zipf_rank(i: usize, namespaces: usize, s: f64) -> usize {
+    let weight = |n: usize| 1.0 / ((n + 1) as f64).powf(s);
+    let total: f64 = (0..namespaces).map(weight).sum();
+    let u = ((i as f64 + 0.5) * 0.618_033_988_749_895).fract() * total;
+    let mut cumulative = 0.0;
+    for n in 0..namespaces {
+        cumulative += weight(n);
+        if u < cumulative {
+            return n;
+        }
+    }
+    namespaces - 1
+}
+
+/// Where the replicas keep their Leases and the assignment.
+const OPERATOR_NAMESPACE: &str = "tpo-system";
 
 /// Per policy: when its latest generation was sent, and when that generation was Ready.
 #[derive(Default)]
@@ -222,7 +255,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     crate::cache_bytes::install_crd(&client).await?;
     for n in 0..args.namespaces {
         let ns = Namespace {
-            metadata: ObjectMeta { name: Some(args.namespace_of(n)), ..Default::default() },
+            metadata: ObjectMeta { name: Some(args.namespace_name(n)), ..Default::default() },
             ..Default::default()
         };
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
@@ -261,6 +294,11 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         update_some(&client, args, count, &tracker).await?;
         wait_converged(&tracker, args, &mut replicas, cp, None, &pids).await?;
         update_seconds = Some(update_started.elapsed().as_secs_f64());
+    }
+    let mut balance = None;
+    if args.mode == Mode::Operator && replicas.len() > 1 {
+        eprintln!("waiting until the slices are balanced...");
+        balance = Some(crate::balance::settle(&client, args, OPERATOR_NAMESPACE, Duration::from_secs(300)).await?);
     }
     let mut at_rest = None;
     if args.at_rest && args.mode == Mode::Operator {
@@ -330,6 +368,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         "delete_seconds": delete_seconds,
         "edit_latency_ms": edit_percentiles(edit_latencies),
         "at_rest": at_rest,
+        "balance": balance,
         "throughput_per_second": args.objects as f64 / converge_seconds,
         "latency_ms": latency_percentiles(&tracker.latencies_ms),
         "replica_stats": per_replica,
@@ -341,7 +380,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
 
 async fn start_replicas(cp: &controlplane::ControlPlane, client: &Client, args: &Args) -> anyhow::Result<Vec<Replica>> {
     let ns = Namespace {
-        metadata: ObjectMeta { name: Some("tpo-system".into()), ..Default::default() },
+        metadata: ObjectMeta { name: Some(OPERATOR_NAMESPACE.into()), ..Default::default() },
         ..Default::default()
     };
     Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
@@ -366,7 +405,7 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
     let probe_port = controlplane::free_port()?;
     let mut process_args = vec![
         format!("--kubeconfig={}", cp.kubeconfig_path().display()),
-        "--namespace=tpo-system".to_string(),
+        format!("--namespace={OPERATOR_NAMESPACE}"),
         format!("--pod-name={name}"),
         format!("--metrics-addr=127.0.0.1:{metrics_port}"),
         format!("--health-probe-addr=127.0.0.1:{probe_port}"),
@@ -717,6 +756,21 @@ pub fn summary(result: &serde_json::Value) -> String {
                 w["writes_per_policy"].as_f64().unwrap_or_default()
             );
         }
+    }
+    if let Some(b) = result["balance"].as_object() {
+        let ratio = b["largest_over_mean"].as_f64().unwrap_or_default();
+        let slices: Vec<String> =
+            b["policies_per_replica"].as_array().into_iter().flatten().map(|n| n.to_string()).collect();
+        text += &format!(
+            "  slices: {} policies ({}), largest / mean {ratio:.3} (target {}: {}; by bucket count alone: {:.3}), settled {:.1} s after convergence at assignment generation {}\n",
+            slices.join(" / "),
+            if b["by_objects"].as_bool() == Some(true) { "balanced by objects" } else { "balanced by buckets" },
+            crate::balance::TARGET,
+            if ratio <= crate::balance::TARGET { "pass" } else { "fail" },
+            b["by_bucket_count_largest_over_mean"].as_f64().unwrap_or_default(),
+            b["settled_seconds"].as_f64().unwrap_or_default(),
+            b["generation"],
+        );
     }
     for r in result["replica_stats"].as_array().into_iter().flatten() {
         // A peer serves no /metrics, so it has no cache figure to show.

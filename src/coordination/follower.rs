@@ -114,7 +114,7 @@ pub struct Follower {
 }
 
 /// What our watches ask the API server for, to see `owned`.
-fn slice_selector(mode: Mode, owned: &BTreeSet<Bucket>) -> Option<SliceSelector> {
+pub fn slice_selector(mode: Mode, owned: &BTreeSet<Bucket>) -> Option<SliceSelector> {
     match mode {
         Mode::Labels => bucket::selector(owned).map(SliceSelector::Labels),
         Mode::ShardSelector => shard_range::selector(owned).map(SliceSelector::Shards),

@@ -30,6 +30,7 @@ use super::members::{Members, lease_state};
 use super::ownership::Ownership;
 use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
 use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, plan};
+use crate::sharding::balance::{self, Counts, Steadiness};
 use crate::sharding::bucket::Mode;
 use crate::sharding::membership::{Liveness, pod_of};
 use crate::telemetry::metrics as m;
@@ -53,6 +54,8 @@ pub struct Leader {
     confirmed_silent: Mutex<BTreeSet<(String, u64)>>,
     /// When we last planned, for the unowned-time counter.
     last_planned: Mutex<Option<Instant>>,
+    /// Whether the policy counts the replicas report have held still.
+    steadiness: Mutex<Steadiness>,
 }
 
 impl Leader {
@@ -82,6 +85,7 @@ impl Leader {
             known_since: Mutex::default(),
             confirmed_silent: Mutex::default(),
             last_planned: Mutex::default(),
+            steadiness: Mutex::default(),
         }
     }
 
@@ -223,7 +227,8 @@ impl Leader {
             });
             may_reassign(since, facts)
         };
-        match plan(&current, &receivers, &release) {
+        let rebalanced = if leaving.is_none() { self.rebalance(&current, &receivers) } else { None };
+        match plan(&current, &receivers, &release, rebalanced) {
             Some(next) => Some((next, resource_version)),
             // The ConfigMap is gone: publish what we know again, under a new generation.
             None if resource_version.is_none() && current.generation > 0 => {
@@ -231,6 +236,28 @@ impl Leader {
             }
             None => None,
         }
+    }
+
+    /// New object counts to balance slices by, when the owners' reports of a settled
+    /// assignment say it is worth the moves (see `sharding::balance`).
+    fn rebalance(&self, current: &Assignment, receivers: &BTreeSet<String>) -> Option<Counts> {
+        let observed = balance::observed(current, &self.members.with(|t| t.load_reports()))?;
+        let imbalance =
+            balance::imbalance(&balance::loads(receivers, current.slots.iter().map(Slot::owner), &observed));
+        m::set_slice_imbalance(imbalance);
+        let total = observed.values().map(|n| u64::from(*n)).sum();
+        if !self.steadiness.lock().unwrap_or_else(|p| p.into_inner()).observe(total, Instant::now()) {
+            return None;
+        }
+        let rebalanced = balance::rebalance(current, receivers, &observed, self.config.balance)?;
+        let oversized = balance::oversized(&observed, receivers.len());
+        tracing::info!(
+            imbalance = format!("{imbalance:.2}"),
+            policies = total,
+            ?oversized,
+            "balancing slices by their policies"
+        );
+        Some(rebalanced)
     }
 
     /// Starts the clock of every revocation we see for the first time.

@@ -25,8 +25,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::follower::{AssignmentView, decode};
+use super::load::LoadReport;
 use super::ownership::Ownership;
-use super::{ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, SEEN_ANNOTATION, ShardConfig};
+use super::{ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, LOAD_ANNOTATION, SEEN_ANNOTATION, ShardConfig};
 use crate::telemetry::metrics as m;
 
 /// Why a renewal did not happen.
@@ -49,6 +50,8 @@ pub struct MemberLease {
     config: ShardConfig,
     ownership: Arc<Ownership>,
     view: Arc<AssignmentView>,
+    /// What we hold per bucket, carried to the leader with every renewal.
+    load: Arc<LoadReport>,
     /// The generation to acknowledge on the Lease; a change triggers a renewal at once.
     ack: watch::Sender<u64>,
     /// Another holder's renewal as first seen: (holder, renewTime, when we first saw it).
@@ -56,7 +59,13 @@ pub struct MemberLease {
 }
 
 impl MemberLease {
-    pub fn new(client: Client, config: &ShardConfig, ownership: Arc<Ownership>, view: Arc<AssignmentView>) -> Self {
+    pub fn new(
+        client: Client,
+        config: &ShardConfig,
+        ownership: Arc<Ownership>,
+        view: Arc<AssignmentView>,
+        load: Arc<LoadReport>,
+    ) -> Self {
         Self {
             leases: Api::namespaced(client.clone(), &config.namespace),
             configmaps: Api::namespaced(client, &config.namespace),
@@ -64,6 +73,7 @@ impl MemberLease {
             config: config.clone(),
             ownership,
             view,
+            load,
             ack: watch::channel(0).0,
             foreign: Mutex::new(None),
         }
@@ -181,6 +191,9 @@ impl MemberLease {
         let seen = self.ownership.generation();
         if seen > 0 {
             annotations.insert(SEEN_ANNOTATION.into(), seen.to_string());
+        }
+        if let Some(load) = self.load.latest() {
+            annotations.insert(LOAD_ANNOTATION.into(), load);
         }
         let result = if create {
             self.leases.create(&PostParams::default(), &lease).await

@@ -11,7 +11,8 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{ACK_ANNOTATION, MEMBER_LEASE_PREFIX, SEEN_ANNOTATION};
+use super::{ACK_ANNOTATION, LOAD_ANNOTATION, MEMBER_LEASE_PREFIX, SEEN_ANNOTATION};
+use crate::sharding::balance::Report;
 use crate::sharding::membership::{LeaseState, MemberTable};
 use crate::telemetry::admin::Health;
 
@@ -88,5 +89,7 @@ pub fn lease_state(lease: &Lease) -> LeaseState {
         acked_generation: lease.annotations().get(ACK_ANNOTATION).and_then(|g| g.parse().ok()),
         seen_generation: lease.annotations().get(SEEN_ANNOTATION).and_then(|g| g.parse().ok()),
         uid: lease.uid(),
+        // A malformed report only costs balancing by objects: treated as none.
+        load: lease.annotations().get(LOAD_ANNOTATION).and_then(|r| Report::decode(r).ok()),
     }
 }

@@ -8,6 +8,7 @@
 //!   watches at once, drain what was lost, acknowledge);
 //! - [`ownership`]: what this replica may write right now, with the fencing epoch;
 //! - [`gate`]: the wrapper that puts a reconcile behind that check;
+//! - [`load`]: this replica's count of policies per bucket, reported on its member Lease;
 //! - [`mode`]: the start-up choice of shard selector or labels;
 //! - [`status`]: the `shards` command's report.
 //!
@@ -18,6 +19,7 @@ pub mod gate;
 pub mod labeller;
 pub mod leader;
 pub mod lease;
+pub mod load;
 pub mod members;
 pub mod mode;
 pub mod ownership;
@@ -34,6 +36,9 @@ pub const ACK_ANNOTATION: &str = "trafficpolicy.dev/applied-assignment";
 /// On a member Lease: the newest assignment generation its holder has seen (written with every
 /// renewal), a floor for the generation of an assignment that must be published anew.
 pub const SEEN_ANNOTATION: &str = "trafficpolicy.dev/seen-assignment";
+/// On a member Lease: its holder's policies per bucket (`generation/bucket:count,…`), which
+/// the leader balances slices by.
+pub const LOAD_ANNOTATION: &str = "trafficpolicy.dev/bucket-objects";
 
 /// Who we are and the lease timings, validated by the CLI.
 #[derive(Clone, Debug)]
@@ -49,6 +54,8 @@ pub struct ShardConfig {
     pub drain_timeout: Duration,
     /// Limits the leader's labelling to one namespace (the operator's `--watch-namespace`).
     pub watch_namespace: Option<String>,
+    /// When the leader balances slices by their policies.
+    pub balance: crate::sharding::balance::Balance,
 }
 
 impl ShardConfig {

@@ -100,6 +100,12 @@ impl Ownership {
         self.lock().generation()
     }
 
+    /// The generation of the assignment we follow, and what it gives us, read together.
+    pub fn owned_at(&self) -> (u64, BTreeSet<Bucket>) {
+        let slice = self.lock();
+        (slice.generation(), slice.owned())
+    }
+
     /// When an abandoned write's bound passes next: a drain may complete then.
     pub fn next_landing(&self) -> Option<Instant> {
         self.lock().next_landing()

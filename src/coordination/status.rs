@@ -13,8 +13,8 @@ use crate::api::ApplicationTrafficPolicy;
 use crate::sharding::assignment::Slot;
 use crate::sharding::membership::pod_of;
 
-/// Prints one line per replica: its lease holder, buckets, and the namespaces with
-/// policies that fall in its buckets.
+/// Prints one line per replica: its lease holder, buckets, policies, and the namespaces
+/// with policies that fall in its buckets; then any namespace too big for a fair share.
 pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     let cm = Api::<ConfigMap>::namespaced(client.clone(), namespace)
         .get_opt(ASSIGNMENT_CONFIGMAP)
@@ -34,11 +34,15 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     let policies =
         Api::<PartialObjectMeta<ApplicationTrafficPolicy>>::all(client).list_metadata(&Default::default()).await?;
     let mut namespaces: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut held: BTreeMap<String, usize> = BTreeMap::new();
+    let mut per_namespace: BTreeMap<String, usize> = BTreeMap::new();
     let mut unowned: BTreeSet<String> = BTreeSet::new();
     for policy in &policies.items {
         let ns = policy.namespace().unwrap_or_default();
+        *per_namespace.entry(ns.clone()).or_default() += 1;
         match &assignment.slots[usize::from(assignment.mode.bucket_of(&ns))] {
             Slot::Owned { member, .. } => {
+                *held.entry(member.clone()).or_default() += 1;
                 namespaces.entry(member.clone()).or_default().insert(ns);
             }
             _ => {
@@ -52,7 +56,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         assignment.mode.as_str(),
         policies.items.len()
     );
-    println!("{:<36} {:<9} {:>7}  NAMESPACES", "REPLICA (INCARNATION)", "LEASE", "BUCKETS");
+    println!("{:<36} {:<9} {:>7} {:>8}  NAMESPACES", "REPLICA (INCARNATION)", "LEASE", "BUCKETS", "POLICIES");
     let shares = assignment.shares();
     let members: BTreeSet<&String> = shares.keys().chain(holders.values().filter(|h| !h.is_empty())).collect();
     for member in members {
@@ -64,10 +68,26 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         };
         let owned = namespaces.get(member).cloned().unwrap_or_default();
         let list: Vec<&str> = owned.iter().map(String::as_str).collect();
-        println!("{member:<36} {lease:<9} {:>7}  {}", shares.get(member).copied().unwrap_or(0), list.join(","));
+        let (buckets, count) = (shares.get(member).copied().unwrap_or(0), held.get(member).copied().unwrap_or(0));
+        println!("{member:<36} {lease:<9} {buckets:>7} {count:>8}  {}", list.join(","));
     }
     if !unowned.is_empty() {
-        println!("{:<36} {:<9} {:>7}  {}", "(moving)", "", "", unowned.into_iter().collect::<Vec<_>>().join(","));
+        println!(
+            "{:<36} {:<9} {:>7} {:>8}  {}",
+            "(moving)",
+            "",
+            "",
+            "",
+            unowned.into_iter().collect::<Vec<_>>().join(",")
+        );
+    }
+    if shares.len() > 1 {
+        let fair = policies.items.len() / shares.len();
+        for (ns, count) in per_namespace.iter().filter(|(_, n)| **n > fair) {
+            println!(
+                "namespace {ns} holds {count} policies, more than a fair share ({fair}): it stays whole on one replica"
+            );
+        }
     }
     Ok(())
 }

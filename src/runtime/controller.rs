@@ -69,9 +69,13 @@ pub struct Settings {
     pub backoff: Backoff,
 }
 
+/// The selector the primary watch last completed a list with (`None` before its first list).
+pub type Listed = tokio::sync::watch::Receiver<Option<Option<SliceSelector>>>;
+
 pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
     settings: Settings,
     queue: Arc<WorkQueue<ObjectKey>>,
+    primary_listed: tokio::sync::watch::Sender<Option<Option<SliceSelector>>>,
     /// The selector each child watch last listed, by kind (absent while it relists); workers
     /// wait until every one of them has listed the current selector.
     children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Option<SliceSelector>>>,
@@ -89,7 +93,13 @@ where
         let metrics = ControllerMetrics::new(settings.name, settings.workers);
         metrics::set_cache_synced(settings.name, false);
         let children_listed = tokio::sync::watch::Sender::new(BTreeMap::new());
-        Self { settings, queue, children_listed, store, metrics, health }
+        let primary_listed = tokio::sync::watch::Sender::new(None);
+        Self { settings, queue, primary_listed, children_listed, store, metrics, health }
+    }
+
+    /// What the cache holds: the selector of the primary watch's last completed list.
+    pub fn listed(&self) -> Listed {
+        self.primary_listed.subscribe()
     }
 
     /// Runs until `shutdown`, then drains; returns whether every in-flight reconcile finished.
@@ -185,6 +195,7 @@ where
                         self.queue.add(key, list.priority_of(sight));
                     }
                     listed_selector = Some(listing_selector.clone());
+                    self.primary_listed.send_replace(listed_selector.clone());
                     for gone in predicate.end_relist() {
                         reconciler.forget(&gone);
                         self.queue.add(gone, Priority::Low);

@@ -28,5 +28,5 @@ pub mod predicate;
 pub mod queue;
 pub mod watch;
 
-pub use controller::{Action, Controller, Reconciler, Settings};
+pub use controller::{Action, Controller, Listed, Reconciler, Settings};
 pub use key::ObjectKey;

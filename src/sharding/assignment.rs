@@ -15,12 +15,16 @@
 //! bucket, so a write stamped with it can be fenced on the server: a deposed owner's epoch
 //! is always lower than its successor's.
 //!
+//! The ring places buckets by their object counts once the leader has published them (see
+//! `sharding::balance`), by bucket count before that.
+//!
 //! The assignment is one object written with a resourceVersion precondition, so two
 //! leaders at once cannot both apply a transition from the same state. Pure: membership
 //! and the drain facts are arguments.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::balance::{self, Counts};
 use super::bucket::{BUCKETS, Bucket, Mode};
 use super::membership::pod_of;
 use super::ring::Ring;
@@ -46,6 +50,14 @@ impl Slot {
             Slot::Free => None,
         }
     }
+
+    /// Who works on the bucket: its owner, if it is owned.
+    pub fn owner(&self) -> Option<&str> {
+        match self {
+            Slot::Owned { member, .. } => Some(member),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,11 +67,13 @@ pub struct Assignment {
     /// What a bucket means: every member must compute buckets alike, so one whose mode
     /// differs owns nothing under this assignment.
     pub mode: Mode,
+    /// Objects per bucket, which the ring balances by; `None`: by bucket count.
+    pub objects: Option<Counts>,
 }
 
 impl Default for Assignment {
     fn default() -> Self {
-        Self { generation: 0, slots: vec![Slot::Free; usize::from(BUCKETS)], mode: Mode::default() }
+        Self { generation: 0, slots: vec![Slot::Free; usize::from(BUCKETS)], mode: Mode::default(), objects: None }
     }
 }
 
@@ -71,7 +85,7 @@ impl Assignment {
     /// bucket of the old one, so nothing may be given until every old owner has let go.
     pub fn after_loss(generation: u64, mode: Mode) -> Self {
         let revoked = Slot::Draining { from: UNKNOWN_OWNER.into(), since: generation };
-        Self { generation, slots: vec![revoked; usize::from(BUCKETS)], mode }
+        Self { generation, slots: vec![revoked; usize::from(BUCKETS)], mode, objects: None }
     }
 
     /// The buckets `member` may work on, with their epochs; none when `member` computes
@@ -105,7 +119,8 @@ impl Assignment {
     }
 
     /// The ConfigMap data: `generation`, `mode`, `members` (comma-separated) and `slots`, one
-    /// entry per bucket: `index@epoch` when owned, `~index@since` while draining, `-` when free.
+    /// entry per bucket: `index@epoch` when owned, `~index@since` while draining, `-` when free;
+    /// and `objects` (`bucket:count,…`) once balancing by objects.
     pub fn encode(&self) -> BTreeMap<String, String> {
         let mut members: Vec<&str> = self.slots.iter().filter_map(Slot::member).collect();
         members.sort();
@@ -120,12 +135,16 @@ impl Assignment {
                 Slot::Draining { from, since } => format!("~{}@{since}", index(from)),
             })
             .collect();
-        BTreeMap::from([
+        let mut data = BTreeMap::from([
             ("generation".to_string(), self.generation.to_string()),
             ("mode".to_string(), self.mode.as_str().to_string()),
             ("members".to_string(), members.join(",")),
             ("slots".to_string(), slots.join(",")),
-        ])
+        ]);
+        if let Some(objects) = &self.objects {
+            data.insert("objects".to_string(), balance::encode_counts(objects));
+        }
+        data
     }
 
     pub fn decode(data: &BTreeMap<String, String>) -> Result<Self, String> {
@@ -160,7 +179,9 @@ impl Assignment {
         if slots.len() != usize::from(BUCKETS) {
             return Err(format!("assignment has {} slots, expected {BUCKETS}", slots.len()));
         }
-        Ok(Self { generation, slots, mode })
+        let objects =
+            data.get("objects").map(|o| balance::decode_counts(o)).transpose().map_err(|e| format!("objects: {e}"))?;
+        Ok(Self { generation, slots, mode, objects })
     }
 }
 
@@ -176,22 +197,36 @@ impl<F: Fn(&str, u64) -> bool> Release for F {
     }
 }
 
-/// The next assignment, or `None` when nothing can change yet.
-///
-/// `receivers` are the members that may be given buckets (seen renewing); `release` says
-/// whether a draining member has let go.
-pub fn plan(current: &Assignment, receivers: &BTreeSet<String>, release: &impl Release) -> Option<Assignment> {
-    // The ring places pods, not incarnations, so a restarted pod gets its old slice back.
+/// Who the ring wants for each bucket: incarnations of `receivers`, balanced by `objects`
+/// (by bucket count without them). The ring places pods, not incarnations, so a restarted
+/// pod gets its old slice back.
+pub fn desired(receivers: &BTreeSet<String>, objects: Option<&Counts>) -> Vec<Option<String>> {
     let by_pod: BTreeMap<&str, &str> = receivers.iter().map(|m| (pod_of(m), m.as_str())).collect();
     let pods: Vec<&str> = by_pod.keys().copied().collect();
     let ring = Ring::new(&pods);
-    let desired = ring.assign_names().into_iter().map(|pod| pod.map(|p| by_pod[p]));
+    let owners = ring.assign_names_weighted(&balance::weights(objects));
+    owners.into_iter().map(|pod| pod.map(|p| by_pod[p].to_string())).collect()
+}
+
+/// The next assignment, or `None` when nothing can change yet.
+///
+/// `receivers` are the members that may be given buckets (seen renewing); `release` says
+/// whether a draining member has let go; `rebalanced` are new object counts to balance by
+/// (`None` keeps the published ones).
+pub fn plan(
+    current: &Assignment,
+    receivers: &BTreeSet<String>,
+    release: &impl Release,
+    rebalanced: Option<Counts>,
+) -> Option<Assignment> {
+    let objects = rebalanced.or_else(|| current.objects.clone());
+    let desired = desired(receivers, objects.as_ref());
     let next = current.generation + 1;
     let give = |want: Option<&str>| want.map_or(Slot::Free, |m| Slot::Owned { member: m.to_string(), epoch: next });
     let slots: Vec<Slot> = current
         .slots
         .iter()
-        .zip(desired)
+        .zip(desired.iter().map(Option::as_deref))
         .map(|(slot, want)| match slot {
             Slot::Owned { member, .. } if want == Some(member.as_str()) => slot.clone(),
             // Nobody to give it to: leave it where it is.
@@ -204,7 +239,12 @@ pub fn plan(current: &Assignment, receivers: &BTreeSet<String>, release: &impl R
             Slot::Free => give(want),
         })
         .collect();
-    (slots != current.slots).then_some(Assignment { generation: next, slots, mode: current.mode })
+    (slots != current.slots || objects != current.objects).then_some(Assignment {
+        generation: next,
+        slots,
+        mode: current.mode,
+        objects,
+    })
 }
 
 /// The facts the leader has about one draining member, for [`may_reassign`].
@@ -238,44 +278,44 @@ pub fn may_reassign(since: u64, facts: DrainFacts) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::time::Duration;
 
-    fn set(members: &[&str]) -> BTreeSet<String> {
+    pub(crate) fn set(members: &[&str]) -> BTreeSet<String> {
         members.iter().map(|m| m.to_string()).collect()
     }
 
-    fn never(_: &str, _: u64) -> bool {
+    pub(crate) fn never(_: &str, _: u64) -> bool {
         false
     }
 
-    fn always(_: &str, _: u64) -> bool {
+    pub(crate) fn always(_: &str, _: u64) -> bool {
         true
     }
 
     #[test]
     fn first_assignment_gives_everything_out_with_its_generation_as_epoch() {
-        let a = plan(&Assignment::default(), &set(&["a", "b", "c"]), &never).unwrap();
+        let a = plan(&Assignment::default(), &set(&["a", "b", "c"]), &never, None).unwrap();
         assert_eq!(a.generation, 1);
         let shares = a.shares();
         assert_eq!(shares.values().sum::<usize>(), usize::from(BUCKETS));
         assert_eq!(shares.len(), 3);
         assert!(a.owned_by("a", Mode::Labels).values().all(|e| *e == 1));
-        assert_eq!(plan(&a, &set(&["a", "b", "c"]), &never), None, "stable once settled");
+        assert_eq!(plan(&a, &set(&["a", "b", "c"]), &never, None), None, "stable once settled");
     }
 
     #[test]
     fn a_live_owner_drains_before_anyone_else_gets_its_buckets() {
-        let settled = plan(&Assignment::default(), &set(&["a", "b"]), &never).unwrap();
+        let settled = plan(&Assignment::default(), &set(&["a", "b"]), &never, None).unwrap();
         let grown = set(&["a", "b", "c"]);
-        let draining = plan(&settled, &grown, &never).unwrap();
+        let draining = plan(&settled, &grown, &never, None).unwrap();
         assert!(draining.owned_by("c", Mode::Labels).is_empty(), "c gets nothing until the old owners let go");
         let moving = draining.slots.iter().filter(|s| matches!(s, Slot::Draining { .. })).count();
         assert!(moving > 0);
-        assert_eq!(plan(&draining, &grown, &never), None);
-        let done = plan(&draining, &grown, &always).unwrap();
+        assert_eq!(plan(&draining, &grown, &never, None), None);
+        let done = plan(&draining, &grown, &always, None).unwrap();
         assert_eq!(done.unowned(&grown), 0);
         assert!(
             done.owned_by("c", Mode::Labels).values().all(|e| *e == done.generation),
@@ -289,33 +329,36 @@ mod tests {
 
     #[test]
     fn a_dead_owner_is_revoked_first_too() {
-        let settled = plan(&Assignment::default(), &set(&["a", "b", "c"]), &never).unwrap();
+        let settled = plan(&Assignment::default(), &set(&["a", "b", "c"]), &never, None).unwrap();
         let lost = settled.owned_by("c", Mode::Labels);
-        let revoked = plan(&settled, &set(&["a", "b"]), &never).unwrap();
+        let revoked = plan(&settled, &set(&["a", "b"]), &never, None).unwrap();
         for bucket in lost.keys() {
             assert!(
                 matches!(&revoked.slots[usize::from(*bucket)], Slot::Draining { from, .. } if from == "c"),
                 "c's bucket {bucket} must be revoked, not handed over"
             );
         }
-        let moved = plan(&revoked, &set(&["a", "b"]), &|from: &str, _: u64| from == "c").unwrap();
+        let moved = plan(&revoked, &set(&["a", "b"]), &|from: &str, _: u64| from == "c", None).unwrap();
         assert!(lost.keys().all(|b| !matches!(&moved.slots[usize::from(*b)], Slot::Draining { .. })));
     }
 
     #[test]
     fn without_receivers_nothing_moves() {
-        let settled = plan(&Assignment::default(), &set(&["a"]), &never).unwrap();
-        assert_eq!(plan(&settled, &BTreeSet::new(), &always), None);
+        let settled = plan(&Assignment::default(), &set(&["a"]), &never, None).unwrap();
+        assert_eq!(plan(&settled, &BTreeSet::new(), &always, None), None);
     }
 
     #[test]
     fn encoding_round_trips() {
-        let mut a = plan(&Assignment::default(), &set(&["pod-0_x1", "pod-1_y2"]), &never).unwrap();
+        let mut a = plan(&Assignment::default(), &set(&["pod-0_x1", "pod-1_y2"]), &never, None).unwrap();
         a.slots[5] = Slot::Draining { from: "pod-1_y2".into(), since: 9 };
         a.slots[6] = Slot::Free;
         assert_eq!(Assignment::decode(&a.encode()).unwrap(), a);
         let shard_mode = Assignment { mode: Mode::ShardSelector, ..a.clone() };
         assert_eq!(Assignment::decode(&shard_mode.encode()).unwrap(), shard_mode);
+        let weighted = Assignment { objects: Some(Counts::from([(1, 5), (700, 3)])), ..a.clone() };
+        assert_eq!(weighted.encode()["objects"], "1:5,700:3");
+        assert_eq!(Assignment::decode(&weighted.encode()).unwrap(), weighted);
         assert!(Assignment::decode(&BTreeMap::new()).unwrap_err().contains("generation"));
         let mut bad = a.encode();
         bad.insert("slots".into(), vec!["x"; 1024].join(","));
@@ -333,7 +376,8 @@ mod tests {
 
     #[test]
     fn a_member_of_another_mode_owns_nothing_and_plans_keep_the_mode() {
-        let a = plan(&Assignment { mode: Mode::ShardSelector, ..Default::default() }, &set(&["a"]), &never).unwrap();
+        let a =
+            plan(&Assignment { mode: Mode::ShardSelector, ..Default::default() }, &set(&["a"]), &never, None).unwrap();
         assert_eq!(a.mode, Mode::ShardSelector);
         assert_eq!(a.owned_by("a", Mode::ShardSelector).len(), usize::from(BUCKETS));
         assert!(a.owned_by("a", Mode::Labels).is_empty(), "its buckets would be other namespaces");
@@ -377,7 +421,7 @@ mod tests {
             for (alive_idx, release) in steps {
                 let alive: BTreeSet<String> = alive_idx.iter().map(|&i| names[i].to_string()).collect();
                 let rule = move |_: &str, _: u64| release;
-                if let Some(next) = plan(&current, &alive, &rule) {
+                if let Some(next) = plan(&current, &alive, &rule, None) {
                     for (before, after) in current.slots.iter().zip(&next.slots) {
                         if let (Slot::Owned { member: x, epoch: e0 }, Slot::Owned { member: y, epoch: e1 }) = (before, after) {
                             prop_assert!(x == y && e0 == e1, "{x} -> {y} without revocation");

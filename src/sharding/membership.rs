@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::balance::Report;
+
 /// A process's identity: its pod name and a nonce of its own.
 pub fn incarnation(pod: &str, nonce: &str) -> String {
     format!("{pod}_{nonce}")
@@ -41,6 +43,8 @@ pub struct LeaseState {
     /// The Lease object's uid: a holder change on the same object is a takeover or a
     /// release; on a new object (deleted and created again) it says nothing.
     pub uid: Option<String>,
+    /// What the holder holds, per bucket (see `sharding::balance`).
+    pub load: Option<Report>,
 }
 
 impl LeaseState {
@@ -170,6 +174,13 @@ impl MemberTable {
         (seen.state.holder() == Some(incarnation)).then_some(seen.state.acked_generation).flatten()
     }
 
+    /// Each holder's latest report of what it holds, by incarnation.
+    pub fn load_reports(&self) -> BTreeMap<String, Report> {
+        let reports =
+            self.members.values().filter_map(|m| Some((m.state.holder()?.to_string(), m.state.load.clone()?)));
+        reports.collect()
+    }
+
     /// The highest generation any member has seen or acknowledged: a floor for a new
     /// assignment's generation, which must never go back (it is every bucket's fencing epoch).
     pub fn highest_generation(&self) -> u64 {
@@ -224,6 +235,7 @@ mod tests {
             acked_generation: None,
             seen_generation: None,
             uid: Some("uid-1".into()),
+            load: None,
         }
     }
 
@@ -305,6 +317,24 @@ mod tests {
         table.observe("b", LeaseState { seen_generation: Some(9), ..lease("b_1", "r1") }, t0);
         assert_eq!(table.highest_generation(), 9, "seen counts too: a live owner may hold epoch 9");
         assert_eq!(table.liveness("a_1", t0 + S(15)), Liveness::Expired);
+    }
+
+    #[test]
+    fn load_reports_are_the_holders() {
+        let t0 = Instant::now();
+        let mut table = MemberTable::default();
+        let report = Report { generation: 3, counts: [(1, 2)].into() };
+        table.observe("a", LeaseState { load: Some(report.clone()), ..lease("a_1", "r1") }, t0);
+        table.observe(
+            "b",
+            LeaseState { holder: Some(String::new()), load: Some(report.clone()), ..lease("", "r1") },
+            t0,
+        );
+        assert_eq!(
+            table.load_reports(),
+            BTreeMap::from([("a_1".to_string(), report)]),
+            "a released lease reports nothing"
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! - [`bucket`]: namespace → bucket in either mode, and the label and selectors that carry it;
 //! - [`shard_range`]: buckets as hash ranges for the API server's shard selector;
 //! - [`ring`]: buckets → members by consistent hashing with bounded loads;
+//! - [`balance`]: when to balance slices by their objects rather than their buckets;
 //! - [`membership`]: incarnations, and which members are alive, from locally observed
 //!   lease renewals;
 //! - [`assignment`]: the published bucket ownership, with fencing epochs, and the leader's
@@ -12,6 +13,7 @@
 //! `coordination`.
 
 pub mod assignment;
+pub mod balance;
 pub mod bucket;
 pub mod membership;
 pub mod ring;

@@ -6,6 +6,11 @@
 //! loads, Mirrokni et al.). Without the bound, 1024 buckets over 10 members would spread
 //! ±10% by chance alone; with it every member gets ⌊B/N⌋ or ⌈B/N⌉, and a membership
 //! change still moves only about 1/N of the buckets (measured in the tests below).
+//!
+//! [`Ring::assign_weighted`] bounds loads by weight instead (the objects in each bucket,
+//! see `sharding::balance`): heavy buckets are placed first, and a member takes a bucket
+//! only while its weight fits under ⌈total / members⌉. With equal weights it is exactly the
+//! bucket-count rule above.
 //! Pure and deterministic: every replica computes the same assignment from the same set.
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -41,27 +46,45 @@ impl Ring {
 
     /// The owner of every bucket, by index into [`Ring::members`]; empty without members.
     pub fn assign(&self) -> Vec<Option<usize>> {
+        self.assign_weighted(&[1; BUCKETS as usize])
+    }
+
+    /// The owner of every bucket, with loads bounded by `weights` (one per bucket) rather
+    /// than by bucket count.
+    pub fn assign_weighted(&self, weights: &[u64]) -> Vec<Option<usize>> {
+        debug_assert_eq!(weights.len(), usize::from(BUCKETS));
+        let mut owners = vec![None; usize::from(BUCKETS)];
         if self.members.is_empty() {
-            return vec![None; usize::from(BUCKETS)];
+            return owners;
         }
-        let capacity = usize::from(BUCKETS).div_ceil(self.members.len());
-        let mut load = vec![0usize; self.members.len()];
-        (0..BUCKETS)
-            .map(|bucket| {
-                let start = self.points.partition_point(|(position, _)| *position < bucket_position(bucket));
-                let owner = (0..self.points.len())
-                    .map(|step| self.points[(start + step) % self.points.len()].1)
-                    .find(|&member| load[member] < capacity)
-                    .expect("total capacity covers every bucket");
-                load[owner] += 1;
-                Some(owner)
-            })
-            .collect()
+        let capacity = weights.iter().sum::<u64>().div_ceil(self.members.len() as u64);
+        let mut load = vec![0u64; self.members.len()];
+        // Heaviest first, so that what is left to place can fill the gaps (ties by bucket,
+        // so that equal weights place buckets in their order).
+        let mut order: Vec<Bucket> = (0..BUCKETS).collect();
+        order.sort_by_key(|&b| (std::cmp::Reverse(weights[usize::from(b)]), b));
+        for bucket in order {
+            let weight = weights[usize::from(bucket)];
+            let start = self.points.partition_point(|(position, _)| *position < bucket_position(bucket));
+            let mut clockwise = (0..self.points.len()).map(|step| self.points[(start + step) % self.points.len()].1);
+            let owner = clockwise
+                .find(|&member| load[member] + weight <= capacity)
+                // Fits nowhere (only when weights are uneven): the least loaded member.
+                .unwrap_or_else(|| (0..load.len()).min_by_key(|&m| (load[m], m)).expect("members"));
+            load[owner] += weight;
+            owners[usize::from(bucket)] = Some(owner);
+        }
+        owners
+    }
+
+    /// The owner of every bucket by name, with loads bounded by `weights`.
+    pub fn assign_names_weighted(&self, weights: &[u64]) -> Vec<Option<&str>> {
+        self.assign_weighted(weights).into_iter().map(|owner| owner.map(|i| self.members[i].as_str())).collect()
     }
 
     /// The owner of every bucket, by name.
     pub fn assign_names(&self) -> Vec<Option<&str>> {
-        self.assign().into_iter().map(|owner| owner.map(|i| self.members[i].as_str())).collect()
+        self.assign_names_weighted(&[1; BUCKETS as usize])
     }
 }
 

@@ -90,6 +90,10 @@ fn describe() {
     describe_gauge!("traffic_policy_buckets_owned", "Namespace buckets this replica owns.");
     describe_counter!("traffic_policy_bucket_handoffs_total", "Buckets acquired or released by this replica.");
     describe_gauge!("traffic_policy_unowned_buckets", "Buckets no live replica owns (reported by the leader).");
+    describe_gauge!(
+        "traffic_policy_slice_imbalance",
+        "The largest replica's policies over the mean, from the replicas' reports (reported by the leader)."
+    );
     describe_counter!(
         "traffic_policy_unowned_milliseconds_total",
         "Milliseconds during which some bucket had no live owner (leader)."
@@ -114,6 +118,10 @@ pub fn count_lease_renewal(result: &'static str) {
 
 pub fn set_leader(leading: bool) {
     gauge!("leader_election_master_status", "name" => "traffic-policy-operator").set(if leading { 1.0 } else { 0.0 });
+}
+
+pub fn set_slice_imbalance(ratio: f64) {
+    gauge!("traffic_policy_slice_imbalance").set(ratio);
 }
 
 pub fn set_members_alive(count: usize) {

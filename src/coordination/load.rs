@@ -1,0 +1,56 @@
+//! This replica's report of the policies it holds per bucket, which its member Lease carries
+//! to the leader for balancing by objects (see `sharding::balance`).
+//!
+//! The report is counted from the policy cache, and only while the cache holds exactly the
+//! slice of the assignment we follow: the watch must have completed a list with the selector
+//! of what we own. Otherwise buckets still being listed would count as empty, and the leader
+//! would rebalance on a false picture. Until then, the previous report stands, and its older
+//! generation tells the leader to wait.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+
+use super::follower::slice_selector;
+use super::ownership::Ownership;
+use crate::api::ApplicationTrafficPolicy;
+use crate::runtime::Listed;
+use crate::sharding::balance::{Counts, Report};
+
+/// How often the cache is counted: a rebalance waits for reports of the current generation.
+const COUNT_EVERY: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+pub struct LoadReport {
+    latest: Mutex<Option<String>>,
+}
+
+impl LoadReport {
+    /// The latest report, encoded for the Lease annotation.
+    pub fn latest(&self) -> Option<String> {
+        self.latest.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Counts the cache every few seconds, forever.
+    pub async fn keep(&self, store: Store<ApplicationTrafficPolicy>, ownership: Arc<Ownership>, listed: Listed) {
+        let mut tick = tokio::time::interval(COUNT_EVERY);
+        loop {
+            tick.tick().await;
+            let (generation, owned) = ownership.owned_at();
+            if *listed.borrow() != Some(slice_selector(ownership.mode(), &owned)) {
+                continue;
+            }
+            let mut counts = Counts::new();
+            for policy in store.state() {
+                let bucket = ownership.mode().bucket_of(&policy.namespace().unwrap_or_default());
+                if owned.contains(&bucket) {
+                    *counts.entry(bucket).or_default() += 1;
+                }
+            }
+            let report = Report { generation, counts }.encode();
+            *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+        }
+    }
+}
