@@ -114,7 +114,7 @@ pub struct RunArgs {
     /// The leader moves buckets to even out the replicas' policy counts only when the largest
     /// replica holds this many policies more than the mean (and 5% more): a small imbalance is
     /// not worth a handoff.
-    #[arg(long, env = "TPO_REBALANCE_MIN_OBJECTS", default_value_t = 200)]
+    #[arg(long, env = "TPO_REBALANCE_MIN_OBJECTS", default_value_t = Balance::default().min_excess)]
     pub rebalance_min_objects: u64,
 
     /// How a replica's watches select its slice: `shard-selector` (the API server's

@@ -32,22 +32,26 @@ pub async fn settle(
 ) -> anyhow::Result<serde_json::Value> {
     // The replicas get the tool's environment, so they balance by the same rule.
     let rule = Balance {
-        min_excess: std::env::var("TPO_REBALANCE_MIN_OBJECTS").ok().and_then(|v| v.parse().ok()).unwrap_or(200),
+        min_excess: std::env::var("TPO_REBALANCE_MIN_OBJECTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(Balance::default().min_excess),
         ..Balance::default()
     };
     let configmaps = Api::<ConfigMap>::namespaced(client.clone(), namespace);
     let leases = Api::<Lease>::namespaced(client.clone(), namespace);
+    let created = created_per_namespace(args);
     let started = Instant::now();
     let mut last = String::from("no assignment yet");
     loop {
-        if let Some(settled) = check(&configmaps, &leases, args, rule, &mut last).await? {
+        if let Some(settled) = check(&configmaps, &leases, &created, rule, &mut last).await? {
             let seconds = started.elapsed().as_secs_f64();
             let (assignment, loads) = settled;
             let imbalance = balance::imbalance(&loads.iter().map(|(m, n)| (m.as_str(), *n)).collect());
             // What the same replicas would hold by bucket count alone (the first assignment).
             let owners: BTreeSet<String> = loads.keys().cloned().collect();
             let by_buckets = desired(&owners, None);
-            let counts = created_counts(args, &assignment);
+            let counts = by_bucket(&created, &assignment);
             let by_buckets =
                 balance::imbalance(&balance::loads(&owners, by_buckets.iter().map(Option::as_deref), &counts));
             return Ok(json!({
@@ -68,7 +72,7 @@ pub async fn settle(
 async fn check(
     configmaps: &Api<ConfigMap>,
     leases: &Api<Lease>,
-    args: &Args,
+    created: &BTreeMap<String, u32>,
     rule: Balance,
     last: &mut String,
 ) -> anyhow::Result<Option<(Assignment, BTreeMap<String, u64>)>> {
@@ -90,8 +94,7 @@ async fn check(
         *last = format!("generation {}: buckets moving, or reports not current", assignment.generation);
         return Ok(None);
     };
-    let created = created_counts(args, &assignment);
-    if observed != created {
+    if observed != by_bucket(created, &assignment) {
         *last = format!("generation {}: the reports do not count every policy yet", assignment.generation);
         return Ok(None);
     }
@@ -105,12 +108,20 @@ async fn check(
     Ok(Some((assignment, loads)))
 }
 
-/// The run's policies per bucket, from the namespaces it created them in.
-fn created_counts(args: &Args, assignment: &Assignment) -> Counts {
-    let mut counts = Counts::new();
+/// The run's policies per namespace.
+fn created_per_namespace(args: &Args) -> BTreeMap<String, u32> {
+    let mut counts = BTreeMap::new();
     for i in 0..args.objects {
-        let bucket = assignment.mode.bucket_of(&args.namespace_of(i));
-        *counts.entry(bucket).or_default() += 1;
+        *counts.entry(args.namespace_of(i)).or_default() += 1;
+    }
+    counts
+}
+
+/// Policies per bucket of `assignment`'s mode.
+fn by_bucket(per_namespace: &BTreeMap<String, u32>, assignment: &Assignment) -> Counts {
+    let mut counts = Counts::new();
+    for (namespace, n) in per_namespace {
+        *counts.entry(assignment.mode.bucket_of(namespace)).or_default() += n;
     }
     counts
 }

@@ -130,6 +130,7 @@ impl Leader {
                     task.abort();
                 }
                 m::set_unlabelled(0);
+                m::set_slice_imbalance(0.0);
             }
             was_leading = leading;
             tokio::select! {

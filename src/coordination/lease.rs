@@ -192,9 +192,11 @@ impl MemberLease {
         if seen > 0 {
             annotations.insert(SEEN_ANNOTATION.into(), seen.to_string());
         }
-        if let Some(load) = self.load.latest() {
-            annotations.insert(LOAD_ANNOTATION.into(), load);
-        }
+        // Never a previous incarnation's report under our name.
+        match self.load.latest() {
+            Some(load) => annotations.insert(LOAD_ANNOTATION.into(), load),
+            None => annotations.remove(LOAD_ANNOTATION),
+        };
         let result = if create {
             self.leases.create(&PostParams::default(), &lease).await
         } else {

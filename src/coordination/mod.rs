@@ -27,6 +27,8 @@ pub mod status;
 
 use std::time::Duration;
 
+use crate::sharding::balance::Balance;
+
 /// Names of the coordination objects in the operator's namespace.
 pub const MEMBER_LEASE_PREFIX: &str = "traffic-policy-operator-member-";
 pub const LEADER_LEASE: &str = "traffic-policy-operator-leader";
@@ -55,7 +57,7 @@ pub struct ShardConfig {
     /// Limits the leader's labelling to one namespace (the operator's `--watch-namespace`).
     pub watch_namespace: Option<String>,
     /// When the leader balances slices by their policies.
-    pub balance: crate::sharding::balance::Balance,
+    pub balance: Balance,
 }
 
 impl ShardConfig {

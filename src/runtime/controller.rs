@@ -69,7 +69,7 @@ pub struct Settings {
     pub backoff: Backoff,
 }
 
-/// The selector the primary watch last completed a list with (`None` before its first list).
+/// The selector the primary watch last completed a list with (`None` while it lists).
 pub type Listed = tokio::sync::watch::Receiver<Option<Option<SliceSelector>>>;
 
 pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
@@ -169,6 +169,9 @@ where
                 // them, so the next list would not report them again.
                 watcher::Event::Init => {
                     predicate.begin_relist();
+                    // The cache is replaced when this list completes: until then it is no
+                    // complete picture of any slice.
+                    self.primary_listed.send_replace(None);
                     // A list begins after a retarget has opened its watch, so this is the
                     // selector it lists (a later change interrupts it and lists again).
                     listing_selector = selector.borrow().clone();

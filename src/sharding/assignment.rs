@@ -409,19 +409,23 @@ pub(crate) mod tests {
     }
 
     proptest! {
-        /// Over any sequence of views and releases, a bucket never goes from one owner to
-        /// another without a draining step that the releasing rule allowed to end, and
-        /// epochs only grow.
+        /// Over any sequence of views, releases and rebalances, a bucket never goes from one
+        /// owner to another without a draining step that the releasing rule allowed to end,
+        /// and epochs only grow.
         #[test]
         fn ownership_never_jumps_and_epochs_grow(
-            steps in prop::collection::vec((prop::collection::btree_set(0usize..5, 0..5), any::<bool>()), 1..12)
+            steps in prop::collection::vec((
+                prop::collection::btree_set(0usize..5, 0..5),
+                any::<bool>(),
+                prop::option::of(prop::collection::btree_map(0..BUCKETS, 1u32..5_000, 0..40)),
+            ), 1..12)
         ) {
             let names = ["a", "b", "c", "d", "e"];
             let mut current = Assignment::default();
-            for (alive_idx, release) in steps {
+            for (alive_idx, release, rebalanced) in steps {
                 let alive: BTreeSet<String> = alive_idx.iter().map(|&i| names[i].to_string()).collect();
                 let rule = move |_: &str, _: u64| release;
-                if let Some(next) = plan(&current, &alive, &rule, None) {
+                if let Some(next) = plan(&current, &alive, &rule, rebalanced) {
                     for (before, after) in current.slots.iter().zip(&next.slots) {
                         if let (Slot::Owned { member: x, epoch: e0 }, Slot::Owned { member: y, epoch: e1 }) = (before, after) {
                             prop_assert!(x == y && e0 == e1, "{x} -> {y} without revocation");
