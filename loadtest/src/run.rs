@@ -517,17 +517,17 @@ fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTraffic
     }))?)
 }
 
-/// The floor's event recorder, reporting as the operator does.
-fn floor_recorder(client: &Client) -> kube::runtime::events::Recorder {
+/// The floor's events, published as the operator publishes them.
+fn floor_events(client: &Client) -> traffic_policy_operator::reconcile::events::Events {
     let reporter = kube::runtime::events::Reporter { controller: "loadtest-floor".into(), instance: None };
-    kube::runtime::events::Recorder::new(client.clone(), reporter)
+    traffic_policy_operator::reconcile::events::Events::new(client.clone(), reporter)
 }
 
 pub async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
-    let recorder = floor_recorder(client);
+    let events = floor_events(client);
     futures::stream::iter(0..args.objects)
         .map(|i| {
-            let (client, tracker, recorder) = (client.clone(), tracker.clone(), recorder.clone());
+            let (client, tracker, events) = (client.clone(), tracker.clone(), events.clone());
             async move {
                 let policy = policy(i, args, 8080)?;
                 let namespace = policy.namespace().unwrap_or_default();
@@ -535,7 +535,7 @@ pub async fn create_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracke
                 tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 1);
                 let created = api.create(&PostParams::default(), &policy).await.context("create")?;
                 if args.mode == Mode::Floor {
-                    loadtest::writes::converge_as_the_operator(&client, &recorder, &created, FIELD_MANAGER).await?;
+                    loadtest::writes::converge_as_the_operator(&client, &events, &created, FIELD_MANAGER).await?;
                 }
                 anyhow::Ok(())
             }
@@ -608,10 +608,10 @@ async fn delete_all(client: &Client, args: &Args, tracker: &Arc<Mutex<Tracker>>)
 }
 
 async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<Mutex<Tracker>>) -> anyhow::Result<()> {
-    let recorder = floor_recorder(client);
+    let events = floor_events(client);
     futures::stream::iter(0..count)
         .map(|i| {
-            let (client, tracker, recorder) = (client.clone(), tracker.clone(), recorder.clone());
+            let (client, tracker, events) = (client.clone(), tracker.clone(), events.clone());
             async move {
                 let namespace = args.namespace_of(i);
                 let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
@@ -619,7 +619,7 @@ async fn update_some(client: &Client, args: &Args, count: usize, tracker: &Arc<M
                 tracker.lock().unwrap().sent(format!("{namespace}/app-{i}"), 2);
                 let updated = api.patch(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&patch)).await?;
                 if args.mode == Mode::Floor {
-                    loadtest::writes::converge_as_the_operator(&client, &recorder, &updated, FIELD_MANAGER).await?;
+                    loadtest::writes::converge_as_the_operator(&client, &events, &updated, FIELD_MANAGER).await?;
                 }
                 anyhow::Ok(())
             }

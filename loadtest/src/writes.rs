@@ -6,11 +6,11 @@
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::desired;
+use traffic_policy_operator::reconcile::events::{Events, Occurrence};
 
 pub async fn converge(client: &Client, policy: &ApplicationTrafficPolicy, field_manager: &str) -> kube::Result<()> {
     let namespace = policy.namespace().unwrap_or_default();
@@ -37,18 +37,12 @@ pub async fn converge(client: &Client, policy: &ApplicationTrafficPolicy, field_
 /// [`converge`], then the event the operator publishes after applying both children.
 pub async fn converge_as_the_operator(
     client: &Client,
-    recorder: &Recorder,
+    events: &Events,
     policy: &ApplicationTrafficPolicy,
     field_manager: &str,
 ) -> kube::Result<()> {
     converge(client, policy, field_manager).await?;
     let generation = policy.metadata.generation.unwrap_or_default();
-    let event = Event {
-        type_: EventType::Normal,
-        reason: "Applied".into(),
-        note: Some(format!("Applied NetworkPolicy and ConfigMap for generation {generation}")),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    recorder.publish(&event, &policy.object_ref(&())).await
+    let note = format!("Applied NetworkPolicy and ConfigMap for generation {generation}");
+    events.publish(policy, Occurrence::Once, "Applied", note).await
 }

@@ -11,6 +11,7 @@
 //! (sharding) is the gate's business, not this module's.
 
 pub mod desired;
+pub mod events;
 pub mod status;
 
 use std::collections::BTreeMap;
@@ -21,11 +22,12 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::Request;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::EventType;
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use self::events::{Events, Occurrence};
 use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, CONTENT_ANNOTATION, ChildVersions, content_hash};
@@ -63,7 +65,7 @@ pub fn trim_for_cache(policy: &mut ApplicationTrafficPolicy) {
 
 pub struct TrafficPolicyReconciler {
     client: Client,
-    recorder: Recorder,
+    events: Events,
     child_versions: Arc<ChildVersions>,
     /// Test mode (`--test-panic-on`): the `namespace/name` whose reconcile panics, so the
     /// tests can show that a panic is caught and retried on a real cluster.
@@ -74,8 +76,8 @@ pub struct TrafficPolicyReconciler {
 }
 
 impl TrafficPolicyReconciler {
-    pub fn new(client: Client, recorder: Recorder, child_versions: Arc<ChildVersions>) -> Self {
-        Self { client, recorder, child_versions, panic_on: None, stall_on: None }
+    pub fn new(client: Client, events: Events, child_versions: Arc<ChildVersions>) -> Self {
+        Self { client, events, child_versions, panic_on: None, stall_on: None }
     }
 
     /// Applies both children; returns what each apply did.
@@ -166,22 +168,19 @@ impl TrafficPolicyReconciler {
         }
     }
 
-    /// Publishes an event; failures are logged, never fatal. The recorder aggregates
-    /// repeats into a series instead of one event per retry.
+    /// Publishes an event; failures are logged, never fatal.
     async fn event(
         &self,
         policy: &ApplicationTrafficPolicy,
         gate: &dyn WriteGate,
-        type_: EventType,
+        occurrence: Occurrence,
         reason: &str,
         note: String,
     ) {
         if gate.check("event").is_err() {
             return;
         }
-        let event =
-            Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
-        if let Err(error) = self.recorder.publish(&event, &policy.object_ref(&())).await {
+        if let Err(error) = self.events.publish(policy, occurrence, reason, note).await {
             tracing::debug!(%error, reason, "could not publish event");
         }
     }
@@ -219,24 +218,26 @@ impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
                 let applied = kinds(&[ApplyEffect::Applied, ApplyEffect::Updated]);
                 if !repaired.is_empty() {
                     let note = format!("Restored {} after an outside change", repaired.join(" and "));
-                    self.event(&policy, gate, EventType::Normal, "Repaired", note).await;
+                    self.event(&policy, gate, Occurrence::Repeating(EventType::Normal), "Repaired", note).await;
                 } else if !applied.is_empty() {
                     let note = format!("Applied {} for generation {generation}", applied.join(" and "));
-                    self.event(&policy, gate, EventType::Normal, "Applied", note).await;
+                    self.event(&policy, gate, Occurrence::Once, "Applied", note).await;
                 }
                 // Someone changed a child while we wrote it: look again at once.
                 Ok(if changed_meanwhile { Action::RequeueAfter(std::time::Duration::ZERO) } else { Action::Done })
             }
             Err(Error::InvalidSpec(message)) => {
                 self.write_status(&policy, &Outcome::InvalidSpec(message.clone()), gate).await?;
-                self.event(&policy, gate, EventType::Warning, "InvalidSpec", message.clone()).await;
+                self.event(&policy, gate, Occurrence::Repeating(EventType::Warning), "InvalidSpec", message.clone())
+                    .await;
                 Err(Error::InvalidSpec(message))
             }
             Err(error @ (Error::LostOwnership | Error::Fenced)) => Err(error),
             Err(error) => {
                 // Best effort: the API may be what is failing.
                 let _ = self.write_status(&policy, &Outcome::ApplyFailed(error.to_string()), gate).await;
-                self.event(&policy, gate, EventType::Warning, "ApplyFailed", error.to_string()).await;
+                self.event(&policy, gate, Occurrence::Repeating(EventType::Warning), "ApplyFailed", error.to_string())
+                    .await;
                 Err(error)
             }
         }
