@@ -214,13 +214,33 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let client = fleet.client();
 
     // r-0's watches restart on every change of its slice, and a watch request sent once the
-    // delay is on would wait with the rest: first see an edit reach r-0 through its watch.
-    let probed = fleet::now_ns();
-    set_rate(&client, &namespace, "app-0").await.unwrap();
-    until("r-0 writes a spec change it saw through its own watch", || {
-        fleet.audit().iter().any(|e| e.t > probed && e.replica == "r-0" && e.event == "write" && e.object == child)
-    })
-    .await;
+    // delay is on would wait with the rest. So first see an edit reach r-0 through its watch,
+    // and r-0 finish with it (its status write, delayed, would stall r-0 on the old spec):
+    // two edits in a row, the second made once r-0 has written the first, and no change of
+    // r-0's slice meanwhile. The relist that brought the first ended before r-0 wrote it.
+    let r0_since = |kind: &'static str, since: u128| {
+        fleet.audit().iter().any(|e| e.t > since && e.replica == "r-0" && e.event == kind)
+    };
+    let applied_by_r0 = |rate: u64, since: u128| {
+        fleet.forward.last(&child) == Some(rate)
+            && fleet.audit().iter().any(|e| {
+                e.t > since && e.replica == "r-0" && e.event == "reconcile_end" && e.detail == "ok" && e.object == child
+            })
+    };
+    let mut attempts = 0;
+    loop {
+        let first = fleet::now_ns();
+        let rate = set_rate(&client, &namespace, "app-0").await.unwrap();
+        until("r-0 applied a spec change", || applied_by_r0(rate, first)).await;
+        let second = fleet::now_ns();
+        let rate = set_rate(&client, &namespace, "app-0").await.unwrap();
+        until("r-0 applied the next spec change", || applied_by_r0(rate, second)).await;
+        if !r0_since("owned", first) {
+            break;
+        }
+        attempts += 1;
+        assert!(attempts < 5, "r-0's slice kept changing; its watch never settled");
+    }
 
     // r-0's write of the next spec is delayed on its way, past r-0's lease and a handoff
     // (its renewals are delayed too, so its slice is revoked and given to another replica).
