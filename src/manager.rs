@@ -14,7 +14,6 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Client;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::events::Reporter;
-use kube::runtime::reflector;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -32,6 +31,7 @@ use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::reconcile::events::Events;
 use crate::reconcile::{FIELD_MANAGER, TrafficPolicyReconciler};
 use crate::runtime::backoff::Backoff;
+use crate::runtime::cache::Cache;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::{Controller, Settings, watch};
 use crate::telemetry::audit::Audit;
@@ -116,8 +116,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tokio::spawn(panics_after(args.test_follower_panics_after, follower.run(stop_sharding.clone())));
 
     // The controller: watches of our slice only, filtered by the API server.
-    let (store, writer) = reflector::store();
-    tokio::spawn(report_policies(store.clone()));
+    let (cache, writer) = crate::runtime::cache::cache();
+    tokio::spawn(report_policies(cache.clone()));
     let policies = watch::retargetable(api(&client, &args), None, selector.clone());
     let primary =
         watch::primary(policies, crate::reconcile::trim_for_cache, crate::reconcile::labelled_from_backlog, writer);
@@ -158,10 +158,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         reconcile_timeout: args.reconcile_timeout,
         backoff: Backoff::default(),
     };
-    let controller = Controller::new(settings, store.clone(), health.clone());
+    let controller = Controller::new(settings, cache.clone(), health.clone());
     tokio::spawn({
         let (ownership, listed) = (ownership.clone(), controller.listed());
-        async move { load.keep(store, ownership, listed).await }
+        async move { load.keep(cache, ownership, listed).await }
     });
     tracing::info!(incarnation = %shard.incarnation, namespace = %shard.namespace, workers = args.workers, "starting");
 
@@ -267,12 +267,12 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Clie
 }
 
 /// Keeps `traffic_policy_policies` (our slice by Ready status and reason) current.
-async fn report_policies(store: reflector::Store<ApplicationTrafficPolicy>) {
+async fn report_policies(cache: Cache<ApplicationTrafficPolicy>) {
     use crate::reconcile::status::{READY_STATES, ready_tally};
     let mut tick = tokio::time::interval(Duration::from_secs(10));
     loop {
         tick.tick().await;
-        let policies = store.state();
+        let policies = cache.state();
         metrics::set_policies(&READY_STATES, &ready_tally(policies.iter().map(|p| p.as_ref())));
     }
 }

@@ -1,8 +1,10 @@
 //! Cached bytes per policy. Creates policies the way users and the operator write them
 //! (a `kubectl apply`-style last-applied annotation, the server's managedFields, a status),
-//! lists them back, then decodes the same JSON into a reflector store twice, once trimmed
+//! lists them back, then decodes the same JSON into the operator's cache twice, once trimmed
 //! as the operator does and once untrimmed, and reads jemalloc's allocated-bytes counter
-//! around each.
+//! around each. Then it fills the runtime's other per-policy state as a converged replica
+//! holds it (the generation predicate, the child versions of both children, the queue's
+//! scheduled resync) and measures each the same way.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -12,12 +14,12 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::runtime::reflector::store::Writer;
 use kube::runtime::watcher;
 use serde_json::json;
 use tikv_jemalloc_ctl::{epoch, stats};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::trim_for_cache;
+use traffic_policy_operator::runtime::cache::cache;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -50,6 +52,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     let untrimmed = store_bytes(&raw, false)?;
     let trimmed = store_bytes(&raw, true)?;
+    let runtime = runtime_bytes(&raw)?;
     let n = raw.len() as f64;
     let result = json!({
         "objects": raw.len(),
@@ -57,6 +60,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "cached_bytes_per_object_untrimmed": untrimmed as f64 / n,
         "cached_bytes_per_object_trimmed": trimmed as f64 / n,
         "trimmed_to_untrimmed_ratio": trimmed as f64 / untrimmed as f64,
+        "predicate_bytes_per_object": runtime.predicate as f64 / n,
+        "child_versions_bytes_per_object": runtime.child_versions as f64 / n,
+        "queue_bytes_per_object": runtime.queue as f64 / n,
+        "runtime_bytes_per_object": (trimmed + runtime.predicate + runtime.child_versions + runtime.queue) as f64 / n,
     });
     println!(
         "| objects | JSON bytes/object | cached bytes/object, untrimmed | cached bytes/object, trimmed (operator) | ratio |"
@@ -70,6 +77,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         trimmed as f64 / n,
         trimmed as f64 / untrimmed as f64
     );
+    println!();
+    println!("| per policy | store (trimmed) | generation predicate | child versions | queue (resync) | total |");
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| bytes | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+        trimmed as f64 / n,
+        runtime.predicate as f64 / n,
+        runtime.child_versions as f64 / n,
+        runtime.queue as f64 / n,
+        (trimmed + runtime.predicate + runtime.child_versions + runtime.queue) as f64 / n
+    );
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -78,24 +96,82 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Heap bytes held by a reflector store filled from `raw`, as the watch path fills it.
+/// Heap bytes held by the operator's cache filled from `raw`, as the watch path fills it.
 fn store_bytes(raw: &[Vec<u8>], trimmed: bool) -> anyhow::Result<usize> {
     let before = allocated()?;
-    let mut writer: Writer<ApplicationTrafficPolicy> = Writer::default();
-    writer.apply_watcher_event(&watcher::Event::Init);
+    let (cache, mut writer) = cache::<ApplicationTrafficPolicy>();
+    writer.apply(&watcher::Event::Init);
     for bytes in raw {
         let mut object: ApplicationTrafficPolicy = serde_json::from_slice(bytes)?;
         if trimmed {
             trim_for_cache(&mut object);
         }
-        writer.apply_watcher_event(&watcher::Event::InitApply(object));
+        writer.apply(&watcher::Event::InitApply(object));
     }
-    writer.apply_watcher_event(&watcher::Event::InitDone);
-    let store = writer.as_reader();
-    anyhow::ensure!(store.len() == raw.len(), "store holds {} of {}", store.len(), raw.len());
+    writer.apply(&watcher::Event::InitDone);
+    anyhow::ensure!(cache.len() == raw.len(), "the cache holds {} of {}", cache.len(), raw.len());
     let held = allocated()?.saturating_sub(before);
-    drop((store, writer));
+    drop((cache, writer));
     Ok(held)
+}
+
+/// Heap bytes of the runtime's other per-policy state, each part measured alone.
+struct RuntimeBytes {
+    predicate: usize,
+    child_versions: usize,
+    queue: usize,
+}
+
+/// Fills each structure as a converged replica holds it: every policy seen once, both its
+/// children written, and its resync scheduled. The predicate and the queue hold the keys the
+/// cache hands out with each event (so they share the cache's); the child versions, keys
+/// the reconcile makes.
+fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
+    use std::time::Duration;
+    use traffic_policy_operator::runtime::{
+        backoff::Backoff,
+        child_versions::ChildVersions,
+        key::ObjectKey,
+        predicate::GenerationPredicate,
+        queue::{Priority, WorkQueue},
+    };
+    use traffic_policy_operator::telemetry::metrics::QueueMetrics;
+
+    let policies: Vec<ApplicationTrafficPolicy> =
+        raw.iter().map(|bytes| serde_json::from_slice(bytes)).collect::<Result<_, _>>()?;
+    let (_cache, mut writer) = cache();
+    let cached: Vec<ObjectKey> =
+        policies.iter().filter_map(|p| writer.apply(&watcher::Event::Apply(p.clone()))).collect();
+    let keys = || cached.iter().cloned().zip(&policies);
+
+    let before = allocated()?;
+    let mut predicate = GenerationPredicate::default();
+    for (key, policy) in keys() {
+        predicate.observe(&key, policy.metadata.uid.as_deref(), policy.metadata.generation);
+    }
+    let predicate_bytes = allocated()?.saturating_sub(before);
+    drop(predicate);
+
+    let before = allocated()?;
+    let versions = ChildVersions::default();
+    for (i, policy) in policies.iter().enumerate() {
+        let (key, generation) = (ObjectKey::of(policy), policy.metadata.generation);
+        versions.written("NetworkPolicy", &key, &(2 * i + 1_000_000).to_string(), generation, i as u64);
+        versions.written("ConfigMap", &key, &(2 * i + 1_000_001).to_string(), generation, i as u64);
+    }
+    let child_versions_bytes = allocated()?.saturating_sub(before);
+    drop(versions);
+
+    let before = allocated()?;
+    let queue =
+        WorkQueue::new(Backoff::new(Duration::from_millis(5), Duration::from_secs(300)), QueueMetrics::new("bench"));
+    for (key, _) in keys() {
+        queue.add_after(key, Duration::from_secs(3600), Priority::Low);
+    }
+    let queue_bytes = allocated()?.saturating_sub(before);
+    drop(queue);
+
+    Ok(RuntimeBytes { predicate: predicate_bytes, child_versions: child_versions_bytes, queue: queue_bytes })
 }
 
 fn allocated() -> anyhow::Result<usize> {

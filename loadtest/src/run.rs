@@ -109,6 +109,10 @@ pub struct Args {
     /// At the end, delete every policy and wait until the watch has seen them all go.
     #[arg(long)]
     pub delete: bool,
+    /// After convergence, keep the replicas running this long before the end, so that the
+    /// last memory sample (`final_rss_bytes`) is the RSS at rest rather than at the peak.
+    #[arg(long, default_value_t = 0)]
+    pub settle_seconds: u64,
     /// Give up when not converged after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout_seconds: u64,
@@ -300,6 +304,10 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         eprintln!("waiting until the slices are balanced...");
         balance = Some(crate::balance::settle(&client, args, OPERATOR_NAMESPACE, Duration::from_secs(300)).await?);
     }
+    if args.settle_seconds > 0 {
+        eprintln!("converged; sampling memory at rest for {} s...", args.settle_seconds);
+        tokio::time::sleep(Duration::from_secs(args.settle_seconds)).await;
+    }
     let mut at_rest = None;
     if args.at_rest && args.mode == Mode::Operator {
         at_rest = Some(crate::at_rest::measure(cp, &client, args, &mut replicas, &pids).await?);
@@ -347,6 +355,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
                 "replica": name,
                 "cpu_seconds": mine.iter().map(|s| s.cpu_seconds).fold(0.0, f64::max),
                 "peak_rss_bytes": mine.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
+                "final_rss_bytes": mine.last().map(|s| s.rss_bytes).unwrap_or(0),
                 "final_cached_objects": mine.last().map(|s| s.cached_objects).unwrap_or(0.0),
                 "final_metrics_series": mine.last().map(|s| s.series).unwrap_or(0),
             })
@@ -779,10 +788,11 @@ pub fn summary(result: &serde_json::Value) -> String {
             _ => format!(", {:.0} cached", r["final_cached_objects"].as_f64().unwrap_or_default()),
         };
         text += &format!(
-            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB{cached}\n",
+            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB, last {:.1} MiB{cached}\n",
             r["replica"].as_str().unwrap_or_default(),
             r["cpu_seconds"].as_f64().unwrap_or_default(),
             r["peak_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
+            r["final_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
         );
     }
     text

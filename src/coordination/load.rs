@@ -11,12 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kube::ResourceExt;
-use kube::runtime::reflector::Store;
 
 use super::follower::slice_selector;
 use super::ownership::Ownership;
 use crate::api::ApplicationTrafficPolicy;
 use crate::runtime::Listed;
+use crate::runtime::cache::Cache;
 use crate::sharding::balance::{Counts, Report};
 
 /// How often the cache is counted: a rebalance waits for reports of the current generation.
@@ -34,7 +34,7 @@ impl LoadReport {
     }
 
     /// Counts the cache every few seconds, forever.
-    pub async fn keep(&self, store: Store<ApplicationTrafficPolicy>, ownership: Arc<Ownership>, listed: Listed) {
+    pub async fn keep(&self, cache: Cache<ApplicationTrafficPolicy>, ownership: Arc<Ownership>, listed: Listed) {
         let mut tick = tokio::time::interval(COUNT_EVERY);
         loop {
             tick.tick().await;
@@ -43,7 +43,7 @@ impl LoadReport {
                 continue;
             }
             let mut counts = Counts::new();
-            for policy in store.state() {
+            for policy in cache.state() {
                 let bucket = ownership.mode().bucket_of(&policy.namespace().unwrap_or_default());
                 if owned.contains(&bucket) {
                     *counts.entry(bucket).or_default() += 1;

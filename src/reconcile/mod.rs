@@ -42,15 +42,15 @@ pub const FIELD_MANAGER: &str = "traffic-policy-operator";
 /// What the fencing ValidatingAdmissionPolicy (deploy/components/fencing/) says when it refuses a write.
 pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 
-/// Drops what the reconcile never reads before a policy is cached (the cache holds one per
-/// policy, so every field counts): managed fields, annotations, the creation timestamp,
-/// and labels. The bucket label is kept only when it differs from the one the namespace
-/// implies (set by hand), since the bucket otherwise follows from the namespace.
 /// Whether the leader labelled `policy` from its backlog (read before the trim drops it).
 pub fn labelled_from_backlog(policy: &ApplicationTrafficPolicy) -> bool {
     policy.annotations().contains_key(bucket::BACKLOG_ANNOTATION)
 }
 
+/// Drops what the reconcile never reads before a policy is cached (the cache holds one per
+/// policy, so every field counts): managed fields, annotations, the creation timestamp,
+/// and labels. The bucket label is kept only when it differs from the one the namespace
+/// implies (set by hand), since the bucket otherwise follows from the namespace.
 pub fn trim_for_cache(policy: &mut ApplicationTrafficPolicy) {
     crate::runtime::watch::trim(policy);
     let implied = bucket::label_value(bucket::bucket_of(&policy.namespace().unwrap_or_default()));

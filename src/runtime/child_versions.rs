@@ -46,10 +46,10 @@ pub fn stamped_content(meta: &ObjectMeta, field_manager: &str) -> Option<u64> {
 }
 
 /// What we know of one child.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Known {
-    /// `None` once the child was seen deleted.
-    resource_version: Option<String>,
+    /// The [`version`] of its resourceVersion; `None` once the child was seen deleted.
+    resource_version: Option<u64>,
     /// The owner's generation at our last write.
     written_for_generation: Option<i64>,
     /// The content hash of what the child holds, when known: from our write, or from an
@@ -59,6 +59,36 @@ struct Known {
 
 impl Known {
     const UNKNOWN: Known = Known { resource_version: None, written_for_generation: None, content: None };
+}
+
+/// A resourceVersion, hashed: it is only ever compared for equality, and a hash is a tenth
+/// of a string's memory (one per child of every policy).
+fn version(resource_version: &str) -> u64 {
+    xxh3_64(resource_version.as_bytes())
+}
+
+/// The number of child kinds an owner has (a NetworkPolicy and a ConfigMap).
+const CHILD_KINDS: usize = 2;
+
+/// What we know of one owner's children, a slot per kind: one map entry per owner, so an
+/// owner's entry is dropped in one step.
+#[derive(Debug, Default)]
+struct Children([Option<(&'static str, Known)>; CHILD_KINDS]);
+
+impl Children {
+    fn get(&self, kind: &str) -> Option<&Known> {
+        self.0.iter().flatten().find(|(k, _)| *k == kind).map(|(_, known)| known)
+    }
+
+    fn entry(&mut self, kind: &'static str) -> &mut Known {
+        let slot = match self.0.iter().position(|s| s.is_some_and(|(k, _)| k == kind)) {
+            Some(i) => i,
+            None => {
+                self.0.iter().position(Option::is_none).expect("an owner has at most CHILD_KINDS kinds of children")
+            }
+        };
+        &mut self.0[slot].get_or_insert((kind, Known::UNKNOWN)).1
+    }
 }
 
 /// What an apply did to a child.
@@ -104,13 +134,13 @@ pub struct ChildVersions {
 
 #[derive(Default)]
 struct Inner {
-    known: HashMap<(&'static str, ObjectKey), Known>,
+    known: HashMap<ObjectKey, Children>,
     /// Owners being written, with the child events that arrived meanwhile.
     writing: HashMap<ObjectKey, Vec<Observed>>,
 }
 
-/// A child event: its kind, resourceVersion (`None`: deleted) and stamped content.
-type Observed = (&'static str, Option<String>, Option<u64>);
+/// A child event: its kind, [`version`] (`None`: deleted) and stamped content.
+type Observed = (&'static str, Option<u64>, Option<u64>);
 
 impl ChildVersions {
     /// Records a version seen by the watch, with the content it is known to hold; true when
@@ -122,16 +152,17 @@ impl ChildVersions {
         resource_version: Option<&str>,
         content: Option<u64>,
     ) -> bool {
+        let resource_version = resource_version.map(version);
         let mut inner = self.lock();
         if let Some(held) = inner.writing.get_mut(key) {
-            held.push((kind, resource_version.map(str::to_string), content));
+            held.push((kind, resource_version, content));
             return false;
         }
-        let entry = inner.known.entry((kind, key.clone())).or_insert(Known::UNKNOWN);
-        if entry.resource_version.as_deref() == resource_version && resource_version.is_some() {
+        let entry = inner.known.entry(key.clone()).or_default().entry(kind);
+        if entry.resource_version == resource_version && resource_version.is_some() {
             return false;
         }
-        entry.resource_version = resource_version.map(str::to_string);
+        entry.resource_version = resource_version;
         entry.content = content.filter(|_| resource_version.is_some());
         true
     }
@@ -142,7 +173,8 @@ impl ChildVersions {
         let inner = self.lock();
         inner
             .known
-            .get(&(kind, key.clone()))
+            .get(key)
+            .and_then(|children| children.get(kind))
             .is_some_and(|k| k.resource_version.is_some() && k.content == Some(content))
     }
 
@@ -158,7 +190,7 @@ impl ChildVersions {
         let held = inner.writing.remove(owner).unwrap_or_default();
         let mut foreign = false;
         for (kind, resource_version, content) in held {
-            let entry = inner.known.entry((kind, owner.clone())).or_insert(Known::UNKNOWN);
+            let entry = inner.known.entry(owner.clone()).or_default().entry(kind);
             if entry.resource_version != resource_version {
                 entry.content = content.filter(|_| resource_version.is_some());
                 entry.resource_version = resource_version;
@@ -177,15 +209,17 @@ impl ChildVersions {
         generation: Option<i64>,
         content: u64,
     ) -> ApplyEffect {
-        let mut inner = self.lock();
+        let resource_version = version(resource_version);
         let now = Known {
-            resource_version: Some(resource_version.to_string()),
+            resource_version: Some(resource_version),
             written_for_generation: generation,
             content: Some(content),
         };
-        let previous = inner.known.insert((kind, key.clone()), now);
+        let mut inner = self.lock();
+        let entry = inner.known.entry(key.clone()).or_default().entry(kind);
+        let previous = Some(std::mem::replace(entry, now)).filter(|p| *p != Known::UNKNOWN);
         match previous {
-            Some(p) if p.resource_version.as_deref() == Some(resource_version) => ApplyEffect::Unchanged,
+            Some(p) if p.resource_version == Some(resource_version) => ApplyEffect::Unchanged,
             Some(p) if p.written_for_generation.is_none() => ApplyEffect::Applied,
             Some(p) if p.written_for_generation == generation => ApplyEffect::Repaired,
             Some(_) => ApplyEffect::Updated,
@@ -195,15 +229,11 @@ impl ChildVersions {
 
     /// Drops what we know of the children of `owner`.
     pub fn forget_owner(&self, owner: &ObjectKey) {
-        self.lock().known.retain(|(_, key), _| key != owner);
-    }
-
-    pub fn len(&self) -> usize {
-        self.lock().known.len()
+        self.lock().known.remove(owner);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.lock().known.is_empty()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

@@ -23,18 +23,18 @@ use futures::future::join_all;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use kube::Resource;
-use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 use super::backoff::Backoff;
+use super::cache::Cache;
 use super::child_versions::ChildVersions;
 use super::key::ObjectKey;
 use super::predicate::{GenerationPredicate, Sight};
 use super::queue::{Priority, WorkQueue};
-use super::watch::{ChildEvent, Selector, SliceSelector};
+use super::watch::{Cached, ChildEvent, Selector, SliceSelector};
 use crate::error::{Error, Result};
 use crate::telemetry::admin::Health;
 use crate::telemetry::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
@@ -79,7 +79,7 @@ pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
     /// The selector each child watch last listed, by kind (absent while it relists); workers
     /// wait until every one of them has listed the current selector.
     children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Option<SliceSelector>>>,
-    store: Store<K>,
+    cache: Cache<K>,
     metrics: ControllerMetrics,
     health: Arc<Health>,
 }
@@ -88,13 +88,13 @@ impl<K> Controller<K>
 where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
-    pub fn new(settings: Settings, store: Store<K>, health: Arc<Health>) -> Self {
+    pub fn new(settings: Settings, cache: Cache<K>, health: Arc<Health>) -> Self {
         let queue = Arc::new(WorkQueue::new(settings.backoff, QueueMetrics::new(settings.name)));
         let metrics = ControllerMetrics::new(settings.name, settings.workers);
         metrics::set_cache_synced(settings.name, false);
         let children_listed = tokio::sync::watch::Sender::new(BTreeMap::new());
         let primary_listed = tokio::sync::watch::Sender::new(None);
-        Self { settings, queue, primary_listed, children_listed, store, metrics, health }
+        Self { settings, queue, primary_listed, children_listed, cache, metrics, health }
     }
 
     /// What the cache holds: the selector of the primary watch's last completed list.
@@ -103,10 +103,10 @@ where
     }
 
     /// Runs until `shutdown`, then drains; returns whether every in-flight reconcile finished.
-    /// `primary` must be the stream that feeds `store`.
+    /// `primary` must be the stream that feeds `cache`.
     pub async fn run<R: Reconciler<K>>(
         self,
-        primary: impl Stream<Item = (watcher::Event<K>, bool)> + Send + 'static,
+        primary: impl Stream<Item = Cached<K>> + Send + 'static,
         children: Vec<BoxStream<'static, ChildEvent>>,
         selector: Selector,
         child_versions: Arc<ChildVersions>,
@@ -150,7 +150,7 @@ where
     /// an object in the cache may be early (the relist that brings it has not completed).
     async fn feed_primary<R: Reconciler<K>>(
         self: Arc<Self>,
-        primary: impl Stream<Item = (watcher::Event<K>, bool)> + Send,
+        primary: impl Stream<Item = Cached<K>> + Send,
         selector: Selector,
         reconciler: Arc<R>,
     ) {
@@ -158,12 +158,14 @@ where
         // The selector of the last completed list, and of the list under way.
         let mut listed_selector: Option<Option<SliceSelector>> = None;
         let mut listing_selector: Option<SliceSelector> = None;
-        // The reflector publishes a relist to the cache only at InitDone, so its keys wait
+        // The cache publishes a relist only at InitDone, so its keys wait
         // here until then: a worker must find the object it is handed.
         let mut relisted: Vec<(ObjectKey, Sight)> = Vec::new();
         let mut primary = std::pin::pin!(primary);
-        // Each event comes with whether its object was labelled from the leader's backlog.
-        while let Some((event, backlog)) = primary.next().await {
+        // Each event comes with the cache's key for its object, and whether the object was
+        // labelled from the leader's backlog.
+        while let Some(Cached { event, key, backlog }) = primary.next().await {
+            let key = || key.clone().expect("an object's event has a key");
             match event {
                 // Keys of an interrupted list stay in `relisted`: the predicate has recorded
                 // them, so the next list would not report them again.
@@ -177,7 +179,7 @@ where
                     listing_selector = selector.borrow().clone();
                 }
                 watcher::Event::InitApply(object) => {
-                    let key = ObjectKey::of(&object);
+                    let key = key();
                     match predicate.observe(&key, object.meta().uid.as_deref(), object.meta().generation) {
                         Sight::Same => {}
                         sight => relisted.push((key, sight)),
@@ -207,7 +209,7 @@ where
                     metrics::set_cache_synced(self.settings.name, true);
                 }
                 watcher::Event::Apply(object) => {
-                    let key = ObjectKey::of(&object);
+                    let key = key();
                     match predicate.observe(&key, object.meta().uid.as_deref(), object.meta().generation) {
                         Sight::Same => {}
                         // First seen through a watch event because it was labelled late, from
@@ -216,8 +218,8 @@ where
                         _ => self.queue.add(key, Priority::High),
                     }
                 }
-                watcher::Event::Delete(object) => {
-                    let key = ObjectKey::of(&object);
+                watcher::Event::Delete(_) => {
+                    let key = key();
                     predicate.forget(&key);
                     reconciler.forget(&key);
                     self.queue.add(key, Priority::High);
@@ -263,7 +265,7 @@ where
         loop {
             tick.tick().await;
             self.queue.update_time_gauges();
-            metrics::set_cached_objects(self.settings.name, self.store.len());
+            metrics::set_cached_objects(self.settings.name, self.cache.len());
         }
     }
 
@@ -284,7 +286,7 @@ where
     }
 
     async fn process<R: Reconciler<K>>(&self, key: &ObjectKey, reconciler: &R) {
-        let Some(object) = self.store.get(&ObjectRef::new(&key.name).within(&key.namespace)) else {
+        let Some(object) = self.cache.get(key) else {
             self.queue.forget(key);
             return;
         };
@@ -389,7 +391,6 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::ObjectMeta;
-    use kube::runtime::reflector;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// Panics on its first call, succeeds after.
@@ -426,12 +427,16 @@ mod tests {
             metadata: ObjectMeta { name: Some("a".into()), namespace: Some("ns".into()), ..Default::default() },
             ..Default::default()
         };
-        let (store, mut writer) = reflector::store::<ConfigMap>();
+        let (cache, mut writer) = crate::runtime::cache::cache::<ConfigMap>();
         let events = vec![watcher::Event::Init, watcher::Event::InitApply(object), watcher::Event::InitDone];
-        for event in &events {
-            writer.apply_watcher_event(event);
-        }
-        let primary = futures::stream::iter(events.into_iter().map(|e| (e, false))).chain(futures::stream::pending());
+        let primary: Vec<_> = events
+            .into_iter()
+            .map(|event| {
+                let key = writer.apply(&event);
+                Cached { event, key, backlog: false }
+            })
+            .collect();
+        let primary = futures::stream::iter(primary).chain(futures::stream::pending());
         let settings = Settings {
             name: "test",
             workers: 1,
@@ -440,7 +445,7 @@ mod tests {
             reconcile_timeout: Duration::from_secs(10),
             backoff: Backoff::default(),
         };
-        let controller = Controller::new(settings, store, Health::with_gates(&[]));
+        let controller = Controller::new(settings, cache, Health::with_gates(&[]));
         let reconciler = Arc::new(PanicsOnce(AtomicUsize::new(0)));
         let shutdown = CancellationToken::new();
         let children = Vec::new();

@@ -1,27 +1,86 @@
 //! The work-queue key: a namespaced object's namespace and name.
+//!
+//! The cache, the predicate, the queue and the child versions each hold a key per policy, so
+//! a key is small: `namespace/name` in one shared allocation, whose clones cost a reference
+//! count.
 
+use std::cmp::Ordering;
 use std::fmt;
+use std::sync::Arc;
 
 use kube::{Resource, ResourceExt};
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct ObjectKey {
-    pub namespace: String,
-    pub name: String,
+    /// `namespace/name`: neither part can contain a `/`.
+    joined: Arc<str>,
+    /// Where the namespace ends in `joined`.
+    split: u32,
 }
 
 impl ObjectKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self { namespace: namespace.into(), name: name.into() }
+    pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
+        let (namespace, name) = (namespace.as_ref(), name.as_ref());
+        Self { joined: format!("{namespace}/{name}").into(), split: namespace.len() as u32 }
     }
 
     pub fn of<K: Resource>(object: &K) -> Self {
-        Self::new(object.namespace().unwrap_or_default(), object.name_any())
+        Self::new(object.meta().namespace.as_deref().unwrap_or_default(), object.name_any())
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.joined[..self.split as usize]
+    }
+
+    pub fn name(&self) -> &str {
+        &self.joined[self.split as usize + 1..]
+    }
+
+    /// Whether `other` is a clone of this key, sharing its allocation.
+    #[cfg(test)]
+    pub fn shares(&self, other: &ObjectKey) -> bool {
+        Arc::ptr_eq(&self.joined, &other.joined)
+    }
+}
+
+/// By namespace, then name (not by the joined text, where `-` sorts before `/`).
+impl Ord for ObjectKey {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.namespace(), self.name()).cmp(&(other.namespace(), other.name()))
+    }
+}
+
+impl PartialOrd for ObjectKey {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
     }
 }
 
 impl fmt::Display for ObjectKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
+        f.write_str(&self.joined)
+    }
+}
+
+impl fmt::Debug for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.joined, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_its_parts_and_orders_by_namespace_first() {
+        let key = ObjectKey::new("team-a", "web");
+        assert_eq!((key.namespace(), key.name()), ("team-a", "web"));
+        assert_eq!(key.to_string(), "team-a/web");
+        assert_eq!(ObjectKey::new("", "cluster-wide").namespace(), "");
+        // Joined, "a-b/x" < "a/y"; by parts, namespace "a" comes first.
+        assert!(ObjectKey::new("a", "y") < ObjectKey::new("a-b", "x"));
+        assert_eq!(ObjectKey::new("a", "b-c"), ObjectKey::new("a", "b-c"));
+        assert_ne!(ObjectKey::new("a-b", "c"), ObjectKey::new("a", "b-c"));
     }
 }

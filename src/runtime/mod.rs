@@ -1,10 +1,12 @@
-//! The controller runtime, in pipeline order: [`watch`] sources feed a trimmed cache and
+//! The controller runtime, in pipeline order: [`watch`] sources feed a trimmed [`cache`] and
 //! the [`predicate`], which feeds the [`queue`]; the [`controller`]'s workers take keys
 //! from it and call a [`controller::Reconciler`]. Nothing here knows about traffic policies.
 //!
 //! Why not kube-runtime's `Controller` (`for_stream`, `owns_stream`, `graceful_shutdown_on`)?
-//! Its watches, reflector and backoff are used here; its controller is not, because the
-//! operator needs what it lacks:
+//! Its watches and backoff are used here; its reflector store and controller are not. The
+//! store keys each object by a copy of its name, namespace, resourceVersion and uid, where
+//! [`cache`] shares one small key with the predicate and the queue. And the operator needs
+//! what its controller lacks:
 //! - two priority lanes, so a real edit goes before a relist's or a handoff's backlog;
 //! - watches that restart on a new slice selector, every event tagged with the selector it
 //!   was listed for, and no reconcile until the child watches have listed the current slice
@@ -21,6 +23,7 @@
 //! with 8 workers) at a longer total.
 
 pub mod backoff;
+pub mod cache;
 pub mod child_versions;
 pub mod controller;
 pub mod gate;

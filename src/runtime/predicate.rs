@@ -9,12 +9,15 @@
 
 use std::collections::{HashMap, HashSet};
 
+use xxhash_rust::xxh3::xxh3_64;
+
 use super::key::ObjectKey;
 
-/// What we last saw of an object: its uid and generation.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What we last saw of an object: its uid (hashed: it is only compared, and a string would
+/// take 72 bytes more per object) and generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Seen {
-    uid: Option<String>,
+    uid: Option<u64>,
     generation: Option<i64>,
 }
 
@@ -48,7 +51,7 @@ impl GenerationPredicate {
         if let Some(relisted) = &mut self.relisted {
             relisted.insert(key.clone());
         }
-        let now = Seen { uid: uid.map(str::to_string), generation };
+        let now = Seen { uid: uid.map(|uid| xxh3_64(uid.as_bytes())), generation };
         match self.seen.get_mut(key) {
             Some(seen) if *seen == now => Sight::Same,
             Some(seen) => {

@@ -6,18 +6,17 @@
 //! the cache is replaced when the list completes). With no selector, the watch is an empty
 //! list. Both retry with kube-runtime's default backoff and relist after `410 Gone`.
 
-use std::collections::HashSet;
 use std::fmt::Debug;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use kube::api::{Api, PartialObjectMeta};
-use kube::runtime::reflector::{self, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+use super::cache::CacheWriter;
 use super::child_versions::stamped_content;
 use super::key::ObjectKey;
 use crate::telemetry::metrics;
@@ -132,6 +131,15 @@ where
     }
 }
 
+/// A primary watch event, once the cache has taken it.
+pub struct Cached<K> {
+    pub event: watcher::Event<K>,
+    /// The cache's key for the event's object: whoever keeps a key shares the cache's.
+    pub key: Option<ObjectKey>,
+    /// Whether the object was labelled from the leader's backlog (see [`super::controller`]).
+    pub backlog: bool,
+}
+
 /// Watch events of the primary resource, applied to `writer`'s cache as they pass, each
 /// object passed through `trim` first (see [`trim`] for what any resource can lose). Each
 /// event comes with what `is_backlog` said of its object before the trim (a hint the cache
@@ -140,41 +148,27 @@ pub fn primary<K>(
     events: Tagged<K>,
     trim: fn(&mut K),
     is_backlog: fn(&K) -> bool,
-    writer: Writer<K>,
-) -> impl Stream<Item = (watcher::Event<K>, bool)> + Send
+    mut writer: CacheWriter<K>,
+) -> impl Stream<Item = Cached<K>> + Send
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
-    // Keys whose event said "backlog", from before the trim to after the reflector.
-    let hinted = Arc::new(Mutex::new(HashSet::new()));
-    let noted = hinted.clone();
-    let events = events.map(move |(_, event)| {
-        if let Ok(watcher::Event::Apply(object)) = &event
-            && is_backlog(object)
-        {
-            noted.lock().unwrap().insert(ObjectKey::of(object));
-        }
-        event
-    });
-    reflector::reflector(writer, events.modify(trim)).filter_map(move |event| {
-        let (kind, hinted) = (kind.clone(), hinted.clone());
-        async move {
-            match event {
-                Ok(event) => {
-                    let backlog = match &event {
-                        watcher::Event::Apply(object) => hinted.lock().unwrap().remove(&ObjectKey::of(object)),
-                        _ => false,
-                    };
-                    Some((event, backlog))
-                }
-                Err(error) => {
-                    metrics::count_watch_error(&kind);
-                    tracing::warn!(%kind, %error, "watch failed; retrying with backoff");
-                    None
-                }
+    events.filter_map(move |(_, event)| {
+        let result = match event {
+            Ok(event) => {
+                let backlog = matches!(&event, watcher::Event::Apply(object) if is_backlog(object));
+                let event = event.modify(trim);
+                let key = writer.apply(&event);
+                Some(Cached { event, key, backlog })
             }
-        }
+            Err(error) => {
+                metrics::count_watch_error(&kind);
+                tracing::warn!(%kind, %error, "watch failed; retrying with backoff");
+                None
+            }
+        };
+        std::future::ready(result)
     })
 }
 
@@ -227,7 +221,7 @@ where
         let owner = child.owner_references().iter().find(|o| o.controller == Some(true) && o.kind == owner_kind)?;
         Some(ChildEvent::Changed {
             kind,
-            owner: ObjectKey::new(child.namespace().unwrap_or_default(), owner.name.clone()),
+            owner: ObjectKey::new(child.namespace().unwrap_or_default(), &owner.name),
             resource_version: if deleted { None } else { child.resource_version() },
             content: stamped_content(&child.metadata, field_manager),
             initial,
