@@ -123,9 +123,8 @@ struct RuntimeBytes {
 }
 
 /// Fills each structure as a converged replica holds it: every policy seen once, both its
-/// children written, and its resync scheduled. The predicate and the queue hold the keys the
-/// cache hands out with each event (so they share the cache's); the child versions, keys
-/// the reconcile makes.
+/// children written, and its resync scheduled. Each holds the keys the cache hands out with
+/// each event, as in the operator, so keys are counted in the store only.
 fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
     use std::time::Duration;
     use traffic_policy_operator::runtime::{
@@ -154,8 +153,8 @@ fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
 
     let before = allocated()?;
     let versions = ChildVersions::default();
-    for (i, policy) in policies.iter().enumerate() {
-        let (key, generation) = (ObjectKey::of(policy), policy.metadata.generation);
+    for (i, (key, policy)) in keys().enumerate() {
+        let generation = policy.metadata.generation;
         versions.written("NetworkPolicy", &key, &(2 * i + 1_000_000).to_string(), generation, i as u64);
         versions.written("ConfigMap", &key, &(2 * i + 1_000_001).to_string(), generation, i as u64);
     }

@@ -45,16 +45,15 @@ where
     K: Resource + Send + Sync + 'static,
     R: GatedReconciler<K>,
 {
-    async fn reconcile(&self, object: Arc<K>) -> Result<Action> {
-        let key = ObjectKey::of(object.as_ref());
+    async fn reconcile(&self, key: &ObjectKey, object: Arc<K>) -> Result<Action> {
         let mode = self.ownership.mode();
         let Some(in_flight) = bucket_of_object(object.as_ref(), mode).and_then(|b| self.ownership.begin(b)) else {
             return Ok(Action::Skip);
         };
-        let gate = ShardGate { in_flight, mode, key: &key, audit: &self.audit };
-        self.audit.record("reconcile_start", &key, &gate.in_flight.bucket.to_string());
-        let result = self.inner.reconcile(object, &gate).await;
-        self.audit.record("reconcile_end", &key, result.as_ref().map_or_else(|e| e.kind(), |_| "ok"));
+        let gate = ShardGate { in_flight, mode, key, audit: &self.audit };
+        self.audit.record("reconcile_start", key, &gate.in_flight.bucket.to_string());
+        let result = self.inner.reconcile(key, object, &gate).await;
+        self.audit.record("reconcile_end", key, result.as_ref().map_or_else(|e| e.kind(), |_| "ok"));
         result
     }
 

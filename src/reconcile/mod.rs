@@ -192,8 +192,12 @@ fn is_fenced(status: &kube::core::Status) -> bool {
 }
 
 impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
-    async fn reconcile(&self, policy: Arc<ApplicationTrafficPolicy>, gate: &dyn WriteGate) -> Result<Action> {
-        let key = ObjectKey::of(policy.as_ref());
+    async fn reconcile(
+        &self,
+        key: &ObjectKey,
+        policy: Arc<ApplicationTrafficPolicy>,
+        gate: &dyn WriteGate,
+    ) -> Result<Action> {
         // Only formatted when a test flag is set: this is every reconcile's path.
         let targets = |flag: &Option<String>| flag.as_ref().is_some_and(|target| *target == key.to_string());
         if targets(&self.panic_on) {
@@ -204,8 +208,8 @@ impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
             std::future::pending::<()>().await;
         }
         let generation = policy.meta().generation.unwrap_or_default();
-        let write = self.child_versions.begin_write(&key);
-        let applied = self.apply_children(&policy, &key, gate).await;
+        let write = self.child_versions.begin_write(key);
+        let applied = self.apply_children(&policy, key, gate).await;
         let changed_meanwhile = write.finish();
         match applied {
             Ok(effects) => {

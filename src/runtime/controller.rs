@@ -52,7 +52,8 @@ pub enum Action {
 
 /// The business logic plugged into the runtime.
 pub trait Reconciler<K>: Send + Sync + 'static {
-    fn reconcile(&self, object: Arc<K>) -> impl Future<Output = Result<Action>> + Send;
+    /// Reconciles `object`, whose key is `key` (the cache's own, so whatever keeps it shares it).
+    fn reconcile(&self, key: &ObjectKey, object: Arc<K>) -> impl Future<Output = Result<Action>> + Send;
     /// The watch says the object is gone (deleted, or out of the slice): drop any state kept
     /// for it.
     fn forget(&self, key: &ObjectKey);
@@ -299,7 +300,8 @@ where
         );
         let started = Instant::now();
         let timeout = self.settings.reconcile_timeout;
-        let reconcile = AssertUnwindSafe(reconciler.reconcile(object.clone())).catch_unwind().instrument(span.clone());
+        let reconcile =
+            AssertUnwindSafe(reconciler.reconcile(key, object.clone())).catch_unwind().instrument(span.clone());
         let outcome = match tokio::time::timeout(timeout, reconcile).await {
             Ok(Ok(outcome)) => outcome,
             Ok(Err(panic)) => {
@@ -397,7 +399,7 @@ mod tests {
     struct PanicsOnce(AtomicUsize);
 
     impl Reconciler<ConfigMap> for PanicsOnce {
-        async fn reconcile(&self, _: Arc<ConfigMap>) -> Result<Action> {
+        async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>) -> Result<Action> {
             if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
                 panic!("a bug in the reconcile");
             }

@@ -31,7 +31,12 @@ pub trait WriteGate: Send + Sync {
 
 /// A reconciler whose writes go through a [`WriteGate`].
 pub trait GatedReconciler<K>: Send + Sync + 'static {
-    fn reconcile(&self, object: Arc<K>, gate: &dyn WriteGate) -> impl Future<Output = Result<Action>> + Send;
+    fn reconcile(
+        &self,
+        key: &ObjectKey,
+        object: Arc<K>,
+        gate: &dyn WriteGate,
+    ) -> impl Future<Output = Result<Action>> + Send;
     /// The object is gone from the cache: drop any state kept for it.
     fn forget(&self, key: &ObjectKey);
 }
