@@ -24,23 +24,30 @@ use tokio::sync::Mutex;
 pub static SERIAL: Mutex<()> = Mutex::const_new(());
 
 /// Seconds from `t0` until a replica other than `victim` first started reconciling an
-/// object in one of the buckets `victim` owned at `t0`.
-fn takeover_seconds(entries: &[audit::Entry], victim: &str, t0: u128) -> f64 {
+/// object in one of the buckets `victim` owned at `t0`; `None` while none has.
+fn takeover_seconds(entries: &[audit::Entry], victim: &str, t0: u128) -> Option<f64> {
     let buckets = audit::ownership_changes(entries)
         .into_iter()
         .rfind(|(t, r, _)| r == victim && *t < t0)
         .map(|(_, _, b)| b)
         .unwrap_or_default();
-    let first = entries
-        .iter()
-        .find(|e| {
-            e.t > t0
-                && e.event == "reconcile_start"
-                && e.replica != victim
-                && e.detail.parse::<u16>().is_ok_and(|b| buckets.contains(&b))
-        })
-        .unwrap_or_else(|| panic!("nobody took over {victim}'s buckets"));
-    (first.t - t0) as f64 / 1e9
+    let first = entries.iter().find(|e| {
+        e.t > t0
+            && e.event == "reconcile_start"
+            && e.replica != victim
+            && e.detail.parse::<u16>().is_ok_and(|b| buckets.contains(&b))
+    })?;
+    Some((first.t - t0) as f64 / 1e9)
+}
+
+/// Waits until another replica has taken over `victim`'s buckets. Before `victim` starts
+/// again: a new process of the same name would rejoin at the same place on the ring and
+/// could get its buckets back first, with long leases.
+async fn taken_over(fleet: &Fleet, victim: &str, t0: u128) {
+    common::eventually(&format!("another replica reconciles in {victim}'s buckets"), || async {
+        takeover_seconds(&fleet.audit(), victim, t0)
+    })
+    .await;
 }
 
 /// Replica-side check: no object was reconciled by two processes at once.
@@ -79,10 +86,12 @@ async fn scaling_and_takeover_after_kill_and_sigterm() {
     fleet.balanced().await;
 
     let t_kill = fleet.kill("r-0");
+    taken_over(&fleet, "r-0", t_kill).await;
     fleet.converged("kill -9").await;
     fleet.start("r-0").await;
     fleet.balanced().await;
     let t_term = fleet.terminate("r-1");
+    taken_over(&fleet, "r-1", t_term).await;
     fleet.converged("SIGTERM").await;
     fleet.start("r-1").await;
     fleet.balanced().await;
@@ -91,8 +100,8 @@ async fn scaling_and_takeover_after_kill_and_sigterm() {
     let changes = churner.await.unwrap();
     fleet.converged("the last change").await;
     let entries = fleet.audit();
-    let kill_takeover = takeover_seconds(&entries, "r-0", t_kill);
-    let term_takeover = takeover_seconds(&entries, "r-1", t_term);
+    let kill_takeover = takeover_seconds(&entries, "r-0", t_kill).expect("taken over");
+    let term_takeover = takeover_seconds(&entries, "r-1", t_term).expect("taken over");
     let reconciles = assert_no_overlapping_reconciles(&fleet, &[(t_kill, "r-0".into())]);
     let verdict = fleet.finish().await;
     println!(
