@@ -116,7 +116,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tokio::spawn(panics_after(args.test_follower_panics_after, follower.run(stop_sharding.clone())));
 
     // The controller: watches of our slice only, filtered by the API server.
-    let (cache, writer) = crate::runtime::cache::cache();
+    let (cache, writer) = crate::runtime::cache::new();
     tokio::spawn(report_policies(cache.clone()));
     let policies = watch::retargetable(api(&client, &args), None, selector.clone());
     let primary =

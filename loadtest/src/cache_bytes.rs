@@ -19,7 +19,7 @@ use serde_json::json;
 use tikv_jemalloc_ctl::{epoch, stats};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::trim_for_cache;
-use traffic_policy_operator::runtime::cache::cache;
+use traffic_policy_operator::runtime::cache;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -99,7 +99,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 /// Heap bytes held by the operator's cache filled from `raw`, as the watch path fills it.
 fn store_bytes(raw: &[Vec<u8>], trimmed: bool) -> anyhow::Result<usize> {
     let before = allocated()?;
-    let (cache, mut writer) = cache::<ApplicationTrafficPolicy>();
+    let (cache, mut writer) = cache::new::<ApplicationTrafficPolicy>();
     writer.apply(&watcher::Event::Init);
     for bytes in raw {
         let mut object: ApplicationTrafficPolicy = serde_json::from_slice(bytes)?;
@@ -138,7 +138,7 @@ fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
 
     let policies: Vec<ApplicationTrafficPolicy> =
         raw.iter().map(|bytes| serde_json::from_slice(bytes)).collect::<Result<_, _>>()?;
-    let (_cache, mut writer) = cache();
+    let (_cache, mut writer) = cache::new();
     let cached: Vec<ObjectKey> =
         policies.iter().filter_map(|p| writer.apply(&watcher::Event::Apply(p.clone()))).collect();
     let keys = || cached.iter().cloned().zip(&policies);

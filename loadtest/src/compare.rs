@@ -54,7 +54,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             at_rest: false,
             resync_seconds: None,
             delete: false,
-            settle_seconds: 0,
+            idle_seconds: 0,
             operator_binary: None,
             timeout_seconds: 1800,
             out: args.out.with_file_name(format!("compare-{}.json", label.replace(' ', "-"))),

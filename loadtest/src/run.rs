@@ -109,10 +109,11 @@ pub struct Args {
     /// At the end, delete every policy and wait until the watch has seen them all go.
     #[arg(long)]
     pub delete: bool,
-    /// After convergence, keep the replicas running this long before the end, so that the
+    /// After convergence (and balancing), leave the replicas idle this long, so that the
     /// last memory sample (`final_rss_bytes`) is the RSS at rest rather than at the peak.
+    /// With --at-rest or --delete, the last sample is taken after those instead.
     #[arg(long, default_value_t = 0)]
-    pub settle_seconds: u64,
+    pub idle_seconds: u64,
     /// Give up when not converged after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout_seconds: u64,
@@ -304,9 +305,9 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         eprintln!("waiting until the slices are balanced...");
         balance = Some(crate::balance::settle(&client, args, OPERATOR_NAMESPACE, Duration::from_secs(300)).await?);
     }
-    if args.settle_seconds > 0 {
-        eprintln!("converged; sampling memory at rest for {} s...", args.settle_seconds);
-        tokio::time::sleep(Duration::from_secs(args.settle_seconds)).await;
+    if args.idle_seconds > 0 {
+        eprintln!("converged; sampling memory while idle for {} s...", args.idle_seconds);
+        tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
     }
     let mut at_rest = None;
     if args.at_rest && args.mode == Mode::Operator {

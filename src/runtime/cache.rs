@@ -2,11 +2,12 @@
 //!
 //! kube-runtime's reflector store does the same, but keys each object by an `ObjectRef`
 //! that copies its name, namespace, resourceVersion and uid: about 170 bytes a policy.
-//! Here the key is the queue's, and it is handed on with each event, so the predicate and
-//! the queue hold the cache's own allocation rather than copies.
+//! Here the key is the queue's, and it is handed on with each event, so the predicate, the
+//! queue and the child versions hold the cache's own allocation rather than copies.
 //!
 //! As in the reflector, a list is gathered aside and replaces the cache whole when it
-//! completes: readers never see a half-listed slice.
+//! completes: readers never see a half-listed slice. Unlike it, a list keeps the objects it
+//! finds unchanged as they are cached, so a relist does not hold two copies of a slice.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -37,7 +38,7 @@ pub struct CacheWriter<K> {
 }
 
 /// An empty cache and its writer.
-pub fn cache<K>() -> (Cache<K>, CacheWriter<K>) {
+pub fn new<K>() -> (Cache<K>, CacheWriter<K>) {
     let cache = Cache { objects: Arc::new(RwLock::new(HashMap::new())) };
     (cache.clone(), CacheWriter { cache, listing: None })
 }
@@ -60,11 +61,6 @@ impl<K> Cache<K> {
         self.len() == 0
     }
 
-    /// `key`, or the equal key the cache already holds, so that its holders share one.
-    fn shared(&self, key: ObjectKey) -> ObjectKey {
-        self.read().get_key_value(&key).map_or(key, |(cached, _)| cached.clone())
-    }
-
     fn read(&self) -> RwLockReadGuard<'_, Objects<K>> {
         self.objects.read().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -77,27 +73,36 @@ impl<K> Cache<K> {
 impl<K: Resource + Clone> CacheWriter<K> {
     /// Applies a watch event; returns the cache's key for the event's object, if it has one.
     pub fn apply(&mut self, event: &watcher::Event<K>) -> Option<ObjectKey> {
-        // Objects are cached as clones, as the reflector does: a clone also drops the spare
-        // room that decoded lists keep (a list of one has room for four).
         match event {
             watcher::Event::Init => {
                 self.listing = Some(HashMap::new());
                 None
             }
             watcher::Event::InitApply(object) => {
-                let key = self.cache.shared(ObjectKey::of(object));
-                self.listing.get_or_insert_default().insert(key.clone(), Arc::new(object.clone()));
+                // An object the relist finds unchanged is kept as cached: a relist of a slice
+                // (after a handoff or a watch gap) then adds only what changed to memory.
+                let key = ObjectKey::of(object);
+                let (key, cached) = match self.cache.read().get_key_value(&key) {
+                    Some((key, cached)) if same_version(cached.as_ref(), object) => (key.clone(), cached.clone()),
+                    Some((key, _)) => (key.clone(), cached_copy(object)),
+                    None => (key, cached_copy(object)),
+                };
+                self.listing.get_or_insert_default().insert(key.clone(), cached);
                 Some(key)
             }
             watcher::Event::InitDone => {
                 if let Some(listed) = self.listing.take() {
-                    *self.cache.write() = listed;
+                    // The old map is freed after the lock is released.
+                    let replaced = std::mem::replace(&mut *self.cache.write(), listed);
+                    drop(replaced);
                 }
                 None
             }
             watcher::Event::Apply(object) => {
-                let key = self.cache.shared(ObjectKey::of(object));
-                self.cache.write().insert(key.clone(), Arc::new(object.clone()));
+                let mut objects = self.cache.write();
+                let key = ObjectKey::of(object);
+                let key = objects.get_key_value(&key).map_or(key, |(cached, _)| cached.clone());
+                objects.insert(key.clone(), cached_copy(object));
                 Some(key)
             }
             watcher::Event::Delete(object) => {
@@ -106,6 +111,17 @@ impl<K: Resource + Clone> CacheWriter<K> {
             }
         }
     }
+}
+
+/// Objects are cached as clones, as kube's reflector does: a clone also drops the spare
+/// room that decoded lists keep (a list of one has room for four).
+fn cached_copy<K: Clone>(object: &K) -> Arc<K> {
+    Arc::new(object.clone())
+}
+
+fn same_version<K: Resource>(cached: &K, object: &K) -> bool {
+    let cached = cached.meta().resource_version.as_deref();
+    cached.is_some() && cached == object.meta().resource_version.as_deref()
 }
 
 #[cfg(test)]
@@ -131,7 +147,7 @@ mod tests {
 
     #[test]
     fn a_list_replaces_the_cache_only_when_complete() {
-        let (cache, mut writer) = cache::<ConfigMap>();
+        let (cache, mut writer) = new::<ConfigMap>();
         writer.apply(&watcher::Event::Init);
         writer.apply(&watcher::Event::InitApply(cm("a", "1")));
         writer.apply(&watcher::Event::InitApply(cm("b", "1")));
@@ -153,8 +169,38 @@ mod tests {
     }
 
     #[test]
+    fn an_interrupted_list_is_dropped_and_the_next_one_counts() {
+        let (cache, mut writer) = new::<ConfigMap>();
+        writer.apply(&watcher::Event::Apply(cm("a", "1")));
+        writer.apply(&watcher::Event::Init);
+        writer.apply(&watcher::Event::InitApply(cm("b", "2")));
+        // The watch failed mid-list and lists again; "b" is gone by then.
+        writer.apply(&watcher::Event::Init);
+        writer.apply(&watcher::Event::InitApply(cm("c", "3")));
+        writer.apply(&watcher::Event::InitDone);
+        let names: Vec<Option<String>> = ["a", "b", "c"].iter().map(|n| version(&cache, n)).collect();
+        assert_eq!(names, [None, None, Some("3".into())]);
+    }
+
+    #[test]
+    fn a_relist_keeps_unchanged_objects_as_cached() {
+        let (cache, mut writer) = new::<ConfigMap>();
+        writer.apply(&watcher::Event::Apply(cm("same", "1")));
+        writer.apply(&watcher::Event::Apply(cm("edited", "1")));
+        let before = |name: &str| cache.get(&ObjectKey::new("ns", name)).unwrap();
+        let (same, edited) = (before("same"), before("edited"));
+        writer.apply(&watcher::Event::Init);
+        writer.apply(&watcher::Event::InitApply(cm("same", "1")));
+        writer.apply(&watcher::Event::InitApply(cm("edited", "2")));
+        writer.apply(&watcher::Event::InitDone);
+        assert!(Arc::ptr_eq(&same, &before("same")), "no second copy of an unchanged object");
+        assert!(!Arc::ptr_eq(&edited, &before("edited")));
+        assert_eq!(version(&cache, "edited").as_deref(), Some("2"));
+    }
+
+    #[test]
     fn keys_handed_out_share_the_cached_key() {
-        let (cache, mut writer) = cache::<ConfigMap>();
+        let (cache, mut writer) = new::<ConfigMap>();
         let first = writer.apply(&watcher::Event::Apply(cm("a", "1"))).unwrap();
         let again = writer.apply(&watcher::Event::Apply(cm("a", "2"))).unwrap();
         let relisted = {

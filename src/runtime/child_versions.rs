@@ -67,8 +67,10 @@ fn version(resource_version: &str) -> u64 {
     xxh3_64(resource_version.as_bytes())
 }
 
-/// The number of child kinds an owner has (a NetworkPolicy and a ConfigMap).
-const CHILD_KINDS: usize = 2;
+/// The most kinds of children an owner may have: room for each in every owner's entry.
+/// (The traffic-policy controller has two; the controller checks its child watches against
+/// this at start, so a third kind fails there rather than on its first event.)
+pub const CHILD_KINDS: usize = 2;
 
 /// What we know of one owner's children, a slot per kind: one map entry per owner, so an
 /// owner's entry is dropped in one step.
@@ -158,6 +160,11 @@ impl ChildVersions {
             held.push((kind, resource_version, content));
             return false;
         }
+        if resource_version.is_none() && !inner.known.contains_key(key) {
+            // A child of an owner we know nothing of (or have forgotten: deleted, its
+            // children collected after it) is gone: nothing to remember.
+            return true;
+        }
         let entry = inner.known.entry(key.clone()).or_default().entry(kind);
         if entry.resource_version == resource_version && resource_version.is_some() {
             return false;
@@ -181,7 +188,13 @@ impl ChildVersions {
     /// Starts writing the children of `owner`: their events are held until the guard is
     /// finished or dropped (a cancelled reconcile must not leave events held).
     pub fn begin_write<'a>(&'a self, owner: &ObjectKey) -> WriteGuard<'a> {
-        self.lock().writing.insert(owner.clone(), Vec::new());
+        let mut inner = self.lock();
+        // Keep the reconcile's key (the cache's, shared) rather than one a child event made.
+        if let Some(children) = inner.known.remove(owner) {
+            inner.known.insert(owner.clone(), children);
+        }
+        inner.writing.insert(owner.clone(), Vec::new());
+        drop(inner);
         WriteGuard { versions: self, owner: Some(owner.clone()) }
     }
 
@@ -310,6 +323,16 @@ mod tests {
         };
         assert_eq!(content_hash(&cm("a")), content_hash(&cm("a")));
         assert_ne!(content_hash(&cm("a")), content_hash(&cm("b")));
+    }
+
+    #[test]
+    fn the_deletion_of_a_forgotten_owners_child_leaves_nothing_behind() {
+        let v = ChildVersions::default();
+        let k = ObjectKey::new("ns", "a");
+        v.written("ConfigMap", &k, "10", Some(1), 7);
+        v.forget_owner(&k);
+        assert!(v.observe("ConfigMap", &k, None, None), "news: the owner looks again, and finds itself gone");
+        assert!(v.is_empty(), "collected children of a deleted owner must not stay known");
     }
 
     #[test]

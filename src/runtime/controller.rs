@@ -30,7 +30,7 @@ use tracing::{Instrument, field};
 
 use super::backoff::Backoff;
 use super::cache::Cache;
-use super::child_versions::ChildVersions;
+use super::child_versions::{CHILD_KINDS, ChildVersions};
 use super::key::ObjectKey;
 use super::predicate::{GenerationPredicate, Sight};
 use super::queue::{Priority, WorkQueue};
@@ -115,6 +115,7 @@ where
         shutdown: CancellationToken,
     ) -> bool {
         let child_kinds = children.len();
+        assert!(child_kinds <= CHILD_KINDS, "ChildVersions has room for {CHILD_KINDS} kinds of children");
         let this = Arc::new(self);
         let mut background = vec![
             tokio::spawn(this.clone().feed_primary(primary, selector.clone(), reconciler.clone())),
@@ -429,7 +430,7 @@ mod tests {
             metadata: ObjectMeta { name: Some("a".into()), namespace: Some("ns".into()), ..Default::default() },
             ..Default::default()
         };
-        let (cache, mut writer) = crate::runtime::cache::cache::<ConfigMap>();
+        let (cache, mut writer) = crate::runtime::cache::new::<ConfigMap>();
         let events = vec![watcher::Event::Init, watcher::Event::InitApply(object), watcher::Event::InitDone];
         let primary: Vec<_> = events
             .into_iter()
