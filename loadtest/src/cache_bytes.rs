@@ -53,6 +53,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let untrimmed = store_bytes(&raw, false)?;
     let trimmed = store_bytes(&raw, true)?;
     let runtime = runtime_bytes(&raw)?;
+    let total = trimmed + runtime.predicate + runtime.child_versions + runtime.queue;
     let n = raw.len() as f64;
     let result = json!({
         "objects": raw.len(),
@@ -63,7 +64,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "predicate_bytes_per_object": runtime.predicate as f64 / n,
         "child_versions_bytes_per_object": runtime.child_versions as f64 / n,
         "queue_bytes_per_object": runtime.queue as f64 / n,
-        "runtime_bytes_per_object": (trimmed + runtime.predicate + runtime.child_versions + runtime.queue) as f64 / n,
+        "runtime_bytes_per_object": total as f64 / n,
     });
     println!(
         "| objects | JSON bytes/object | cached bytes/object, untrimmed | cached bytes/object, trimmed (operator) | ratio |"
@@ -86,7 +87,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         runtime.predicate as f64 / n,
         runtime.child_versions as f64 / n,
         runtime.queue as f64 / n,
-        (trimmed + runtime.predicate + runtime.child_versions + runtime.queue) as f64 / n
+        total as f64 / n
     );
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;
