@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::ApplicationTrafficPolicy;
 use crate::cli::RunArgs;
 use crate::client::Clients;
-use crate::coordination::follower::{AssignmentView, Follower};
+use crate::coordination::follower::{AssignmentView, Follower, slice_selector};
 use crate::coordination::gate::Sharded;
 use crate::coordination::leader::Leader;
 use crate::coordination::lease::MemberLease;
@@ -33,6 +33,7 @@ use crate::reconcile::{FIELD_MANAGER, TrafficPolicyReconciler};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::cache::Cache;
 use crate::runtime::child_versions::ChildVersions;
+use crate::runtime::parts::{self, Slicing};
 use crate::runtime::{Controller, Settings, watch};
 use crate::telemetry::audit::Audit;
 use crate::telemetry::{admin, logging, metrics};
@@ -65,7 +66,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     tokio::spawn(metrics::upkeep(prometheus.clone()));
 
     // Sharding: our lease and its renewal cycles, the member table, the leader, and the
-    // assignment follower, which re-targets the watches below through `selector`.
+    // assignment follower, which re-targets the watches below through `slice`.
     let mode = crate::coordination::mode::choose(&coordination, &shard.namespace, args.shard_mode).await?;
     let ownership = Ownership::new(&shard.incarnation, mode, shard.renew_deadline, shard.write_bound());
     let members = Arc::new(Members::default());
@@ -81,14 +82,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         members.clone(),
         view.clone(),
     ));
-    let (selector_tx, selector) = tokio::sync::watch::channel(None);
+    let (slice_tx, slice) = tokio::sync::watch::channel(None);
     let follower = Follower::new(
         coordination.clone(),
         &shard,
         ownership.clone(),
         member_lease.clone(),
         view.clone(),
-        selector_tx,
+        slice_tx,
         health.clone(),
         audit.clone(),
     );
@@ -118,17 +119,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // The controller: watches of our slice only, filtered by the API server.
     let (cache, writer) = crate::runtime::cache::new();
     tokio::spawn(report_policies(cache.clone()));
-    let policies = watch::retargetable(api(&client, &args), None, selector.clone());
+    let slicing = Slicing::new(move |namespace| mode.bucket_of(namespace), move |b| slice_selector(mode, b));
+    let policies = parts::watch(api(&client, &args), None, slice.clone(), slicing.clone());
     let primary =
         watch::primary(policies, crate::reconcile::trim_for_cache, crate::reconcile::labelled_from_backlog, writer);
     let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
     let children = vec![
         watch::children(
-            watch::retargetable(
+            parts::watch(
                 api::<PartialObjectMeta<NetworkPolicy>>(&client, &args),
                 owned.clone(),
-                selector.clone(),
+                slice.clone(),
+                slicing.clone(),
             ),
             "NetworkPolicy",
             owner_kind,
@@ -136,7 +139,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         )
         .boxed(),
         watch::children(
-            watch::retargetable(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, selector.clone()),
+            parts::watch(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, slice.clone(), slicing.clone()),
             "ConfigMap",
             owner_kind,
             FIELD_MANAGER,
@@ -177,7 +180,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     // Run until shutdown; a critical task that ends first stops the process, after the
     // same orderly shutdown.
-    let controller = controller.run(primary, children, selector, child_versions, reconciler, shutdown.clone());
+    let sharding = (slice, slicing);
+    let controller = controller.run(primary, children, sharding, child_versions, reconciler, shutdown.clone());
     let mut controller = std::pin::pin!(controller);
     let (mut lease_task, mut leader_task, mut follower_task) =
         (Some(lease_task), Some(leader_task), Some(follower_task));

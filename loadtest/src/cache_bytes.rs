@@ -20,6 +20,7 @@ use tikv_jemalloc_ctl::{epoch, stats};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::trim_for_cache;
 use traffic_policy_operator::runtime::cache;
+use traffic_policy_operator::runtime::parts::Scope;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -101,15 +102,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 fn store_bytes(raw: &[Vec<u8>], trimmed: bool) -> anyhow::Result<usize> {
     let before = allocated()?;
     let (cache, mut writer) = cache::new::<ApplicationTrafficPolicy>();
-    writer.apply(&watcher::Event::Init);
+    let all = Scope::everything();
+    writer.apply(0, &all, &watcher::Event::Init);
     for bytes in raw {
         let mut object: ApplicationTrafficPolicy = serde_json::from_slice(bytes)?;
         if trimmed {
             trim_for_cache(&mut object);
         }
-        writer.apply(&watcher::Event::InitApply(object));
+        writer.apply(0, &all, &watcher::Event::InitApply(object));
     }
-    writer.apply(&watcher::Event::InitDone);
+    writer.apply(0, &all, &watcher::Event::InitDone);
     anyhow::ensure!(cache.len() == raw.len(), "the cache holds {} of {}", cache.len(), raw.len());
     let held = allocated()?.saturating_sub(before);
     drop((cache, writer));
@@ -140,8 +142,9 @@ fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
     let policies: Vec<ApplicationTrafficPolicy> =
         raw.iter().map(|bytes| serde_json::from_slice(bytes)).collect::<Result<_, _>>()?;
     let (_cache, mut writer) = cache::new();
+    let all = Scope::everything();
     let cached: Vec<ObjectKey> =
-        policies.iter().filter_map(|p| writer.apply(&watcher::Event::Apply(p.clone()))).collect();
+        policies.iter().filter_map(|p| writer.apply(0, &all, &watcher::Event::Apply(p.clone())).0).collect();
     let keys = || cached.iter().cloned().zip(&policies);
 
     let before = allocated()?;

@@ -52,6 +52,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             preload: false,
             edits: 0,
             at_rest: false,
+            handoff: false,
             resync_seconds: None,
             delete: false,
             idle_seconds: 0,

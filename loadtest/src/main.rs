@@ -8,6 +8,7 @@ mod chart;
 mod cluster;
 mod compare;
 mod fencing_cost;
+mod handoff;
 mod ownership_cost;
 mod run;
 mod sample;

@@ -103,6 +103,11 @@ pub struct Args {
     /// Needs `--resync-seconds`.
     #[arg(long, requires = "resync_seconds")]
     pub at_rest: bool,
+    /// After convergence (operator mode), one more replica joins and leaves again while
+    /// single edits go on: the policies each handoff lists against those it moves, and the
+    /// edits' latency.
+    #[arg(long)]
+    pub handoff: bool,
     /// The replicas' `--resync-period`, in seconds (default: the operator's).
     #[arg(long)]
     pub resync_seconds: Option<u64>,
@@ -175,7 +180,7 @@ fn zipf_rank(i: usize, namespaces: usize, s: f64) -> usize {
 }
 
 /// Where the replicas keep their Leases and the assignment.
-const OPERATOR_NAMESPACE: &str = "tpo-system";
+pub const OPERATOR_NAMESPACE: &str = "tpo-system";
 
 /// Per policy: when its latest generation was sent, and when that generation was Ready.
 #[derive(Default)]
@@ -313,6 +318,10 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     if args.at_rest && args.mode == Mode::Operator {
         at_rest = Some(crate::at_rest::measure(cp, &client, args, &mut replicas, &pids).await?);
     }
+    let mut handoff = None;
+    if args.handoff && args.mode == Mode::Operator {
+        handoff = Some(crate::handoff::measure(cp, &client, args, &mut replicas, &pids, &tracker).await?);
+    }
     let mut delete_seconds = None;
     if args.delete {
         let delete_started = Instant::now();
@@ -378,6 +387,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         "delete_seconds": delete_seconds,
         "edit_latency_ms": edit_percentiles(edit_latencies),
         "at_rest": at_rest,
+        "handoff": handoff,
         "balance": balance,
         "throughput_per_second": args.objects as f64 / converge_seconds,
         "latency_ms": latency_percentiles(&tracker.latencies_ms),
@@ -563,27 +573,39 @@ pub async fn edit_during_backlog(
 ) -> anyhow::Result<Vec<f64>> {
     let mut latencies = Vec::new();
     for n in 0..args.edits {
-        let i = (n * 7919) % args.objects; // spread over namespaces and over the backlog
-        let namespace = args.namespace_of(i);
-        let key = format!("{namespace}/app-{i}");
-        let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
-        let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": 1000 + n } } });
-        let sent = Instant::now();
-        let edited = api.patch(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&patch)).await?;
-        let generation = edited.metadata.generation.unwrap_or(0);
-        tracker.lock().unwrap().sent(key.clone(), generation);
-        let deadline = sent + Duration::from_secs(args.timeout_seconds);
-        loop {
-            if tracker.lock().unwrap().converged.get(&key).is_some_and(|(g, _)| *g >= generation) {
-                latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
-                break;
-            }
-            anyhow::ensure!(Instant::now() < deadline, "edit of {key} did not converge");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        latencies.push(edit_and_wait(client, args, tracker, n, 1000 + n as u64).await?);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(latencies)
+}
+
+/// Edits the `n`-th policy of a sequence spread over namespaces and over the backlog (its
+/// rate set to `rate`, which must differ from its current one) and waits until it is Ready
+/// for the new generation: the latency (ms).
+pub async fn edit_and_wait(
+    client: &Client,
+    args: &Args,
+    tracker: &Arc<Mutex<Tracker>>,
+    n: usize,
+    rate: u64,
+) -> anyhow::Result<f64> {
+    let i = (n * 7919) % args.objects;
+    let namespace = args.namespace_of(i);
+    let key = format!("{namespace}/app-{i}");
+    let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), &namespace);
+    let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": rate } } });
+    let sent = Instant::now();
+    let edited = api.patch(&format!("app-{i}"), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    let generation = edited.metadata.generation.unwrap_or(0);
+    tracker.lock().unwrap().sent(key.clone(), generation);
+    let deadline = sent + Duration::from_secs(args.timeout_seconds);
+    loop {
+        if tracker.lock().unwrap().converged.get(&key).is_some_and(|(g, _)| *g >= generation) {
+            return Ok(sent.elapsed().as_secs_f64() * 1000.0);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "edit of {key} did not converge");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 pub fn edit_percentiles(latencies: Vec<f64>) -> serde_json::Value {
@@ -766,6 +788,9 @@ pub fn summary(result: &serde_json::Value) -> String {
                 w["writes_per_policy"].as_f64().unwrap_or_default()
             );
         }
+    }
+    if result["handoff"].is_object() {
+        text += &crate::handoff::summary(&result["handoff"]);
     }
     if let Some(b) = result["balance"].as_object() {
         let ratio = b["largest_over_mean"].as_f64().unwrap_or_default();

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::lease::MemberLease;
 use super::ownership::Ownership;
 use super::{ASSIGNMENT_CONFIGMAP, ShardConfig};
+use crate::runtime::parts::Buckets;
 use crate::runtime::watch::SliceSelector;
 use crate::sharding::assignment::Assignment;
 use crate::sharding::bucket::{self, Bucket, Mode};
@@ -105,7 +106,8 @@ pub struct Follower {
     lease: Arc<MemberLease>,
     view: Arc<AssignmentView>,
     configmaps: Api<ConfigMap>,
-    selector: watch::Sender<Option<SliceSelector>>,
+    /// The slice our watches follow.
+    slice: watch::Sender<Option<Buckets>>,
     health: Arc<Health>,
     audit: Audit,
     /// What the watches were last pointed at; `None` before the first selector.
@@ -129,7 +131,7 @@ impl Follower {
         ownership: Arc<Ownership>,
         lease: Arc<MemberLease>,
         view: Arc<AssignmentView>,
-        selector: watch::Sender<Option<SliceSelector>>,
+        slice: watch::Sender<Option<Buckets>>,
         health: Arc<Health>,
         audit: Audit,
     ) -> Self {
@@ -140,7 +142,7 @@ impl Follower {
             lease,
             view,
             configmaps,
-            selector,
+            slice,
             health,
             audit,
             watching: None,
@@ -209,13 +211,7 @@ impl Follower {
         // Nothing is watched before the first assignment: until then we do not know our slice.
         if self.applied > 0 && self.watching.as_ref() != Some(&owned) {
             self.audit.record("owned", &self.applied, &bucket::ranges(&owned));
-            let selector = slice_selector(mode, &owned);
-            let first = self.watching.is_none();
-            self.selector.send_if_modified(|current| {
-                let changed = first || *current != selector;
-                *current = selector;
-                changed
-            });
+            self.slice.send_replace(Some(owned.clone()));
             self.watching = Some(owned);
         }
         // Ready only while we may write what the assignment gives us: closed again by a lapse.

@@ -2,8 +2,8 @@
 //! to the leader for balancing by objects (see `sharding::balance`).
 //!
 //! The report is counted from the policy cache, and only while the cache holds exactly the
-//! slice of the assignment we follow: the watch must have completed a list with the selector
-//! of what we own. Otherwise buckets still being listed would count as empty, and the leader
+//! slice of the assignment we follow: the watch must have completed a list of every bucket we
+//! own, and of no other. Otherwise buckets still being listed would count as empty, and the leader
 //! would rebalance on a false picture. Until then, the previous report stands, and its older
 //! generation tells the leader to wait.
 
@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use super::follower::slice_selector;
 use super::ownership::Ownership;
 use crate::api::ApplicationTrafficPolicy;
 use crate::runtime::Listed;
@@ -39,7 +38,7 @@ impl LoadReport {
         loop {
             tick.tick().await;
             let (generation, owned) = ownership.owned_at();
-            if *listed.borrow() != Some(slice_selector(ownership.mode(), &owned)) {
+            if listed.borrow().as_ref() != Some(&owned) {
                 continue;
             }
             let mut counts = Counts::new();

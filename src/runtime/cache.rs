@@ -5,8 +5,8 @@
 //! Here the key is the queue's, and it is handed on with each event, so the predicate, the
 //! queue and the child versions hold the cache's own allocation rather than copies.
 //!
-//! As in the reflector, a list is gathered aside and replaces the cache whole when it
-//! completes: readers never see a half-listed slice. Unlike it, a list keeps the objects it
+//! As in the reflector, a list is gathered aside and replaces what the cache holds of its
+//! part of the slice when it completes: readers never see a half-listed part. Unlike it, a list keeps the objects it
 //! finds unchanged as they are cached, so a relist does not hold two copies of a slice.
 
 use std::collections::HashMap;
@@ -16,6 +16,7 @@ use kube::Resource;
 use kube::runtime::watcher;
 
 use super::key::ObjectKey;
+use super::parts::Scope;
 
 type Objects<K> = HashMap<ObjectKey, Arc<K>>;
 
@@ -33,14 +34,14 @@ impl<K> Clone for Cache<K> {
 /// The cache's one writer, fed by the watch.
 pub struct CacheWriter<K> {
     cache: Cache<K>,
-    /// The list under way, if any.
-    listing: Option<Objects<K>>,
+    /// The lists under way, by part of the slice.
+    listing: HashMap<u64, Objects<K>>,
 }
 
 /// An empty cache and its writer.
 pub fn new<K>() -> (Cache<K>, CacheWriter<K>) {
     let cache = Cache { objects: Arc::new(RwLock::new(HashMap::new())) };
-    (cache.clone(), CacheWriter { cache, listing: None })
+    (cache.clone(), CacheWriter { cache, listing: HashMap::new() })
 }
 
 impl<K> Cache<K> {
@@ -71,12 +72,19 @@ impl<K> Cache<K> {
 }
 
 impl<K: Resource + Clone> CacheWriter<K> {
-    /// Applies a watch event; returns the cache's key for the event's object, if it has one.
-    pub fn apply(&mut self, event: &watcher::Event<K>) -> Option<ObjectKey> {
+    /// Applies an event of part `part` of the slice, which covers `scope`. Returns the
+    /// cache's key for the event's object, if it has one, and the keys the cache let go of:
+    /// a complete list replaces what the cache holds in `scope`.
+    pub fn apply(
+        &mut self,
+        part: u64,
+        scope: &Scope,
+        event: &watcher::Event<K>,
+    ) -> (Option<ObjectKey>, Vec<ObjectKey>) {
         match event {
             watcher::Event::Init => {
-                self.listing = Some(HashMap::new());
-                None
+                self.listing.insert(part, HashMap::new());
+                (None, Vec::new())
             }
             watcher::Event::InitApply(object) => {
                 // An object the relist finds unchanged is kept as cached: a relist of a slice
@@ -87,30 +95,52 @@ impl<K: Resource + Clone> CacheWriter<K> {
                     Some((key, _)) => (key.clone(), cached_copy(object)),
                     None => (key, cached_copy(object)),
                 };
-                self.listing.get_or_insert_default().insert(key.clone(), cached);
-                Some(key)
+                self.listing.entry(part).or_default().insert(key.clone(), cached);
+                (Some(key), Vec::new())
             }
             watcher::Event::InitDone => {
-                if let Some(listed) = self.listing.take() {
-                    // The old map is freed after the lock is released.
-                    let replaced = std::mem::replace(&mut *self.cache.write(), listed);
-                    drop(replaced);
-                }
-                None
+                let Some(mut listed) = self.listing.remove(&part) else { return (None, Vec::new()) };
+                // Buckets the part lost during the list are no longer its to fill.
+                listed.retain(|key, _| scope.covers(key.namespace()));
+                let removed = {
+                    let mut objects = self.cache.write();
+                    let gone =
+                        take_where(&mut objects, |key| scope.covers(key.namespace()) && !listed.contains_key(key));
+                    objects.extend(listed);
+                    gone
+                };
+                // What was let go of is freed after the lock is released.
+                (None, removed.into_iter().map(|(key, _)| key).collect())
             }
             watcher::Event::Apply(object) => {
                 let mut objects = self.cache.write();
                 let key = ObjectKey::of(object);
                 let key = objects.get_key_value(&key).map_or(key, |(cached, _)| cached.clone());
                 objects.insert(key.clone(), cached_copy(object));
-                Some(key)
+                (Some(key), Vec::new())
             }
             watcher::Event::Delete(object) => {
                 let key = ObjectKey::of(object);
-                Some(self.cache.write().remove_entry(&key).map_or(key, |(cached, _)| cached))
+                (Some(self.cache.write().remove_entry(&key).map_or(key, |(cached, _)| cached)), Vec::new())
             }
         }
     }
+
+    /// `scope` left the slice: lets go of its objects, and returns their keys.
+    pub fn drop_scope(&mut self, scope: &Scope) -> Vec<ObjectKey> {
+        let removed = take_where(&mut self.cache.write(), |key| scope.covers(key.namespace()));
+        removed.into_iter().map(|(key, _)| key).collect()
+    }
+
+    /// A part's watch is closed: a list it had under way will not complete.
+    pub fn close(&mut self, part: u64) {
+        self.listing.remove(&part);
+    }
+}
+
+fn take_where<K>(objects: &mut Objects<K>, take: impl Fn(&ObjectKey) -> bool) -> Vec<(ObjectKey, Arc<K>)> {
+    let keys: Vec<ObjectKey> = objects.keys().filter(|key| take(key)).cloned().collect();
+    keys.into_iter().filter_map(|key| objects.remove_entry(&key)).collect()
 }
 
 /// Objects are cached as clones, as kube's reflector does: a clone also drops the spare
@@ -147,52 +177,55 @@ mod tests {
 
     #[test]
     fn a_list_replaces_the_cache_only_when_complete() {
+        let all = Scope::everything();
         let (cache, mut writer) = new::<ConfigMap>();
-        writer.apply(&watcher::Event::Init);
-        writer.apply(&watcher::Event::InitApply(cm("a", "1")));
-        writer.apply(&watcher::Event::InitApply(cm("b", "1")));
+        writer.apply(0, &all, &watcher::Event::Init);
+        writer.apply(0, &all, &watcher::Event::InitApply(cm("a", "1")));
+        writer.apply(0, &all, &watcher::Event::InitApply(cm("b", "1")));
         assert!(cache.is_empty(), "a list under way is not visible");
-        writer.apply(&watcher::Event::InitDone);
+        writer.apply(0, &all, &watcher::Event::InitDone);
         assert_eq!(cache.len(), 2);
 
-        writer.apply(&watcher::Event::Apply(cm("a", "2")));
+        writer.apply(0, &all, &watcher::Event::Apply(cm("a", "2")));
         assert_eq!(version(&cache, "a").as_deref(), Some("2"));
-        writer.apply(&watcher::Event::Delete(cm("b", "2")));
+        writer.apply(0, &all, &watcher::Event::Delete(cm("b", "2")));
         assert_eq!(version(&cache, "b"), None);
 
         // A relist that no longer finds `a`: the old state holds until the list completes.
-        writer.apply(&watcher::Event::Init);
-        writer.apply(&watcher::Event::InitApply(cm("c", "3")));
+        writer.apply(0, &all, &watcher::Event::Init);
+        writer.apply(0, &all, &watcher::Event::InitApply(cm("c", "3")));
         assert_eq!(version(&cache, "a").as_deref(), Some("2"));
-        writer.apply(&watcher::Event::InitDone);
+        writer.apply(0, &all, &watcher::Event::InitDone);
         assert_eq!((version(&cache, "a"), version(&cache, "c").as_deref()), (None, Some("3")));
     }
 
     #[test]
     fn an_interrupted_list_is_dropped_and_the_next_one_counts() {
+        let all = Scope::everything();
         let (cache, mut writer) = new::<ConfigMap>();
-        writer.apply(&watcher::Event::Apply(cm("a", "1")));
-        writer.apply(&watcher::Event::Init);
-        writer.apply(&watcher::Event::InitApply(cm("b", "2")));
+        writer.apply(0, &all, &watcher::Event::Apply(cm("a", "1")));
+        writer.apply(0, &all, &watcher::Event::Init);
+        writer.apply(0, &all, &watcher::Event::InitApply(cm("b", "2")));
         // The watch failed mid-list and lists again; "b" is gone by then.
-        writer.apply(&watcher::Event::Init);
-        writer.apply(&watcher::Event::InitApply(cm("c", "3")));
-        writer.apply(&watcher::Event::InitDone);
+        writer.apply(0, &all, &watcher::Event::Init);
+        writer.apply(0, &all, &watcher::Event::InitApply(cm("c", "3")));
+        writer.apply(0, &all, &watcher::Event::InitDone);
         let names: Vec<Option<String>> = ["a", "b", "c"].iter().map(|n| version(&cache, n)).collect();
         assert_eq!(names, [None, None, Some("3".into())]);
     }
 
     #[test]
     fn a_relist_keeps_unchanged_objects_as_cached() {
+        let all = Scope::everything();
         let (cache, mut writer) = new::<ConfigMap>();
-        writer.apply(&watcher::Event::Apply(cm("same", "1")));
-        writer.apply(&watcher::Event::Apply(cm("edited", "1")));
+        writer.apply(0, &all, &watcher::Event::Apply(cm("same", "1")));
+        writer.apply(0, &all, &watcher::Event::Apply(cm("edited", "1")));
         let before = |name: &str| cache.get(&ObjectKey::new("ns", name)).unwrap();
         let (same, edited) = (before("same"), before("edited"));
-        writer.apply(&watcher::Event::Init);
-        writer.apply(&watcher::Event::InitApply(cm("same", "1")));
-        writer.apply(&watcher::Event::InitApply(cm("edited", "2")));
-        writer.apply(&watcher::Event::InitDone);
+        writer.apply(0, &all, &watcher::Event::Init);
+        writer.apply(0, &all, &watcher::Event::InitApply(cm("same", "1")));
+        writer.apply(0, &all, &watcher::Event::InitApply(cm("edited", "2")));
+        writer.apply(0, &all, &watcher::Event::InitDone);
         assert!(Arc::ptr_eq(&same, &before("same")), "no second copy of an unchanged object");
         assert!(!Arc::ptr_eq(&edited, &before("edited")));
         assert_eq!(version(&cache, "edited").as_deref(), Some("2"));
@@ -200,18 +233,51 @@ mod tests {
 
     #[test]
     fn keys_handed_out_share_the_cached_key() {
+        let all = Scope::everything();
         let (cache, mut writer) = new::<ConfigMap>();
-        let first = writer.apply(&watcher::Event::Apply(cm("a", "1"))).unwrap();
-        let again = writer.apply(&watcher::Event::Apply(cm("a", "2"))).unwrap();
+        let first = writer.apply(0, &all, &watcher::Event::Apply(cm("a", "1"))).0.unwrap();
+        let again = writer.apply(0, &all, &watcher::Event::Apply(cm("a", "2"))).0.unwrap();
         let relisted = {
-            writer.apply(&watcher::Event::Init);
-            writer.apply(&watcher::Event::InitApply(cm("a", "3"))).unwrap()
+            writer.apply(0, &all, &watcher::Event::Init);
+            writer.apply(0, &all, &watcher::Event::InitApply(cm("a", "3"))).0.unwrap()
         };
-        writer.apply(&watcher::Event::InitDone);
-        let deleted = writer.apply(&watcher::Event::Delete(cm("a", "4"))).unwrap();
+        writer.apply(0, &all, &watcher::Event::InitDone);
+        let deleted = writer.apply(0, &all, &watcher::Event::Delete(cm("a", "4"))).0.unwrap();
         for key in [&again, &relisted, &deleted] {
             assert!(first.shares(key), "{key} is a copy");
         }
         assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn a_part_replaces_only_its_scope_and_a_dropped_scope_is_let_go() {
+        use std::collections::BTreeSet;
+        let slicing = crate::runtime::parts::Slicing::new(|ns| if ns == "a" { 1 } else { 2 }, |_| None);
+        let scope = |bucket: u16| slicing.scope(Arc::new(BTreeSet::from([bucket])));
+        let (a, b) = (scope(1), scope(2));
+        let in_ns = |ns: &str, name: &str| {
+            let mut object = cm(name, "1");
+            object.metadata.namespace = Some(ns.into());
+            object
+        };
+        let (cache, mut writer) = new::<ConfigMap>();
+        for (part, scope, ns, names) in [(0, &a, "a", ["x", "y"]), (1, &b, "b", ["x", "y"])] {
+            writer.apply(part, scope, &watcher::Event::Init);
+            for name in names {
+                writer.apply(part, scope, &watcher::Event::InitApply(in_ns(ns, name)));
+            }
+            writer.apply(part, scope, &watcher::Event::InitDone);
+        }
+        assert_eq!(cache.len(), 4);
+        // Part 1 relists and no longer finds b/y; part 0's objects are not its to drop.
+        writer.apply(1, &b, &watcher::Event::Init);
+        writer.apply(1, &b, &watcher::Event::InitApply(in_ns("b", "x")));
+        let (_, gone) = writer.apply(1, &b, &watcher::Event::InitDone);
+        assert_eq!(gone, [ObjectKey::new("b", "y")]);
+        assert_eq!(cache.len(), 3);
+        let mut dropped = writer.drop_scope(&a);
+        dropped.sort();
+        assert_eq!(dropped, [ObjectKey::new("a", "x"), ObjectKey::new("a", "y")]);
+        assert_eq!(cache.state().len(), 1);
     }
 }

@@ -245,6 +245,17 @@ impl ChildVersions {
         self.lock().known.remove(owner);
     }
 
+    /// Drops what we know of children of `kind` whose owner `covers` says (their buckets
+    /// left the slice), and the entries left with nothing.
+    pub fn forget_kind_where(&self, kind: &str, covers: impl Fn(&ObjectKey) -> bool) {
+        self.lock().known.retain(|owner, children| {
+            if covers(owner) {
+                children.0.iter_mut().filter(|s| s.is_some_and(|(k, _)| k == kind)).for_each(|s| *s = None);
+            }
+            children.0.iter().any(Option::is_some)
+        });
+    }
+
     pub fn is_empty(&self) -> bool {
         self.lock().known.is_empty()
     }
@@ -352,5 +363,22 @@ mod tests {
 
         drop(v.begin_write(&k));
         assert!(v.observe("ConfigMap", &k, Some("7"), None), "a dropped write holds nothing back");
+    }
+
+    #[test]
+    fn a_dropped_scope_forgets_its_kind_and_empty_entries() {
+        let versions = ChildVersions::default();
+        let (kept, dropped) = (ObjectKey::new("kept", "p"), ObjectKey::new("dropped", "p"));
+        for owner in [&kept, &dropped] {
+            versions.observe("NetworkPolicy", owner, Some("1"), Some(7));
+            versions.observe("ConfigMap", owner, Some("1"), Some(8));
+        }
+        let in_dropped = |owner: &ObjectKey| owner.namespace() == "dropped";
+        versions.forget_kind_where("NetworkPolicy", in_dropped);
+        assert!(versions.holds("NetworkPolicy", &kept, 7));
+        assert!(!versions.holds("NetworkPolicy", &dropped, 7));
+        assert!(versions.holds("ConfigMap", &dropped, 8), "the other kind's watch has not dropped it yet");
+        versions.forget_kind_where("ConfigMap", in_dropped);
+        assert_eq!(versions.lock().known.len(), 1, "nothing is left of the dropped owner");
     }
 }

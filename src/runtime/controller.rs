@@ -7,12 +7,12 @@
 //!   per-key exponential backoff, reset on success;
 //! - a reconcile that panics is caught, counted, and retried with backoff like an error,
 //!   so its key is never left marked as processing;
-//! - no reconcile starts until every child watch has listed the current selector: until then
-//!   what is known of the children is incomplete, and a reconcile would write children it
-//!   could have known to be current;
+//! - no reconcile of an object starts until every child watch has listed its part of the
+//!   slice: until then what is known of its children is incomplete, and a reconcile would
+//!   write children it could have known to be current;
 //! - on shutdown no new work is taken, and in-flight reconciles get `drain_timeout`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,9 +32,10 @@ use super::backoff::Backoff;
 use super::cache::Cache;
 use super::child_versions::{CHILD_KINDS, ChildVersions};
 use super::key::ObjectKey;
+use super::parts::{Buckets, Slice, Slicing};
 use super::predicate::{GenerationPredicate, Sight};
 use super::queue::{Priority, WorkQueue};
-use super::watch::{Cached, ChildEvent, Selector, SliceSelector};
+use super::watch::{Cached, ChildEvent};
 use crate::error::{Error, Result};
 use crate::telemetry::admin::Health;
 use crate::telemetry::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
@@ -70,16 +71,16 @@ pub struct Settings {
     pub backoff: Backoff,
 }
 
-/// The selector the primary watch last completed a list with (`None` while it lists).
-pub type Listed = tokio::sync::watch::Receiver<Option<Option<SliceSelector>>>;
+/// The buckets whose objects the cache holds a completed list of (`None` before the first).
+pub type Listed = tokio::sync::watch::Receiver<Option<Buckets>>;
 
 pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
     settings: Settings,
     queue: Arc<WorkQueue<ObjectKey>>,
-    primary_listed: tokio::sync::watch::Sender<Option<Option<SliceSelector>>>,
-    /// The selector each child watch last listed, by kind (absent while it relists); workers
-    /// wait until every one of them has listed the current selector.
-    children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Option<SliceSelector>>>,
+    primary_listed: tokio::sync::watch::Sender<Option<Buckets>>,
+    /// The buckets each child watch holds a completed list of, by kind; a worker waits until
+    /// every kind has listed its object's bucket.
+    children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Buckets>>,
     cache: Cache<K>,
     metrics: ControllerMetrics,
     health: Arc<Health>,
@@ -98,7 +99,7 @@ where
         Self { settings, queue, primary_listed, children_listed, cache, metrics, health }
     }
 
-    /// What the cache holds: the selector of the primary watch's last completed list.
+    /// What the cache holds: the buckets of the primary watch's completed lists.
     pub fn listed(&self) -> Listed {
         self.primary_listed.subscribe()
     }
@@ -109,7 +110,7 @@ where
         self,
         primary: impl Stream<Item = Cached<K>> + Send + 'static,
         children: Vec<BoxStream<'static, ChildEvent>>,
-        selector: Selector,
+        (slice, slicing): (Slice, Slicing),
         child_versions: Arc<ChildVersions>,
         reconciler: Arc<R>,
         shutdown: CancellationToken,
@@ -118,7 +119,7 @@ where
         assert!(child_kinds <= CHILD_KINDS, "ChildVersions has room for {CHILD_KINDS} kinds of children");
         let this = Arc::new(self);
         let mut background = vec![
-            tokio::spawn(this.clone().feed_primary(primary, selector.clone(), reconciler.clone())),
+            tokio::spawn(this.clone().feed_primary(primary, reconciler.clone())),
             tokio::spawn(this.clone().update_gauges()),
         ];
         for stream in children {
@@ -126,9 +127,13 @@ where
         }
         let workers: Vec<_> = (0..this.settings.workers)
             .map(|_| {
-                let selector = selector.clone();
-                let children_listed = move |listed: &BTreeMap<_, Option<SliceSelector>>| {
-                    listed.len() == child_kinds && listed.values().all(|s| *s == *selector.borrow())
+                let (slice, slicing) = (slice.clone(), slicing.clone());
+                // A bucket not in the slice (any more) has nothing to wait for: the write
+                // gate skips its objects.
+                let children_listed = move |key: &ObjectKey, listed: &BTreeMap<_, Buckets>| {
+                    let bucket = slicing.bucket_of(key.namespace());
+                    let listed = listed.len() == child_kinds && listed.values().all(|b| b.contains(&bucket));
+                    listed || !slice.borrow().as_ref().is_some_and(|owned| owned.contains(&bucket))
                 };
                 tokio::spawn(this.clone().work(reconciler.clone(), children_listed))
             })
@@ -147,66 +152,81 @@ where
         drained
     }
 
-    /// Feeds the queue, and tells `reconciler` to forget an object once the watch says it is
-    /// gone (deleted, or out of the slice). Only the watch can say so: a worker that misses
-    /// an object in the cache may be early (the relist that brings it has not completed).
+    /// Feeds the queue, and tells `reconciler` to forget an object once the cache lets go of
+    /// it (deleted, gone from a relist, or out of the slice). Only the watch can say so: a
+    /// worker that misses an object in the cache may be early (the list that brings it has
+    /// not completed).
     async fn feed_primary<R: Reconciler<K>>(
         self: Arc<Self>,
         primary: impl Stream<Item = Cached<K>> + Send,
-        selector: Selector,
         reconciler: Arc<R>,
     ) {
         let mut predicate = GenerationPredicate::default();
-        // The selector of the last completed list, and of the list under way.
-        let mut listed_selector: Option<Option<SliceSelector>> = None;
-        let mut listing_selector: Option<SliceSelector> = None;
-        // The cache publishes a relist only at InitDone, so its keys wait
-        // here until then: a worker must find the object it is handed.
-        let mut relisted: Vec<(ObjectKey, Sight)> = Vec::new();
+        // What each part's list under way found; the cache publishes a list only when it
+        // completes, so its objects wait here until then: a worker must find what it is handed.
+        let mut listing: HashMap<u64, Vec<Sighting>> = HashMap::new();
+        // Parts that completed a list: a list of one of these again is of the same buckets.
+        let mut parts_listed: HashSet<u64> = HashSet::new();
+        let forget = |predicate: &mut GenerationPredicate, gone: Vec<ObjectKey>, lane: Priority| {
+            for key in gone {
+                predicate.forget(&key);
+                reconciler.forget(&key);
+                self.queue.add(key, lane);
+            }
+        };
         let mut primary = std::pin::pin!(primary);
-        // Each event comes with the cache's key for its object, and whether the object was
-        // labelled from the leader's backlog.
-        while let Some(Cached { event, key, backlog }) = primary.next().await {
+        while let Some(cached) = primary.next().await {
+            let (part, scope, event, key, backlog, gone) = match cached {
+                Cached::Event { part, scope, event, key, backlog, gone } => (part, scope, event, key, backlog, gone),
+                Cached::Dropped { scope, gone } => {
+                    self.primary_listed.send_modify(|listed| listed_without(listed, scope.buckets()));
+                    forget(&mut predicate, gone, Priority::Low);
+                    continue;
+                }
+                Cached::Closed { part } => {
+                    listing.remove(&part);
+                    parts_listed.remove(&part);
+                    continue;
+                }
+            };
+            // Each event comes with the cache's key for its object.
             let key = || key.clone().expect("an object's event has a key");
             match event {
-                // Keys of an interrupted list stay in `relisted`: the predicate has recorded
-                // them, so the next list would not report them again.
                 watcher::Event::Init => {
-                    predicate.begin_relist();
-                    // The cache is replaced when this list completes: until then it is no
-                    // complete picture of any slice.
-                    self.primary_listed.send_replace(None);
-                    // A list begins after a retarget has opened its watch, so this is the
-                    // selector it lists (a later change interrupts it and lists again).
-                    listing_selector = selector.borrow().clone();
+                    listing.insert(part, Vec::new());
+                    // The cache's picture of the part is replaced when this list completes.
+                    self.primary_listed.send_modify(|listed| listed_without(listed, scope.buckets()));
                 }
                 watcher::Event::InitApply(object) => {
-                    let key = key();
-                    match predicate.observe(&key, object.meta().uid.as_deref(), object.meta().generation) {
-                        Sight::Same => {}
-                        sight => relisted.push((key, sight)),
-                    }
+                    let meta = object.meta();
+                    listing.entry(part).or_default().push((key(), meta.uid.clone(), meta.generation));
                 }
                 watcher::Event::InitDone => {
-                    // Real changes go first. The first list, and what a new slice brings
-                    // (buckets gained in a handoff), is backlog: it waits behind them, so a
-                    // restart or a handoff pages no one and delays no edit. A relist of the
-                    // same slice (after a watch gap) finds only real changes: edits, and
-                    // objects created meanwhile.
-                    let list = match &listed_selector {
+                    // Real changes go first. The first list, and what a new part of the slice
+                    // brings (buckets gained in a handoff), is backlog: it waits behind them, so
+                    // a restart or a handoff pages no one and delays no edit. A relist of a part
+                    // (after a watch gap) finds only real changes: edits, and objects created
+                    // meanwhile.
+                    let list = match self.primary_listed.borrow().as_ref() {
                         None => List::First,
-                        Some(listed) if *listed != listing_selector => List::NewSlice,
-                        Some(_) => List::SameSlice,
+                        Some(_) if parts_listed.contains(&part) => List::SameSlice,
+                        Some(_) => List::NewSlice,
                     };
-                    for (key, sight) in relisted.drain(..) {
-                        self.queue.add(key, list.priority_of(sight));
+                    for (key, uid, generation) in listing.remove(&part).unwrap_or_default() {
+                        // Buckets the part lost during the list were forgotten meanwhile.
+                        if !scope.covers(key.namespace()) {
+                            continue;
+                        }
+                        match predicate.observe(&key, uid.as_deref(), generation) {
+                            Sight::Same => {}
+                            sight => self.queue.add(key, list.priority_of(sight)),
+                        }
                     }
-                    listed_selector = Some(listing_selector.clone());
-                    self.primary_listed.send_replace(listed_selector.clone());
-                    for gone in predicate.end_relist() {
-                        reconciler.forget(&gone);
-                        self.queue.add(gone, Priority::Low);
-                    }
+                    forget(&mut predicate, gone, Priority::Low);
+                    parts_listed.insert(part);
+                    self.primary_listed.send_modify(|listed| {
+                        listed.get_or_insert_default().extend(scope.buckets());
+                    });
                     self.health.ready(self.settings.name);
                     metrics::set_cache_synced(self.settings.name, true);
                 }
@@ -220,12 +240,7 @@ where
                         _ => self.queue.add(key, Priority::High),
                     }
                 }
-                watcher::Event::Delete(_) => {
-                    let key = key();
-                    predicate.forget(&key);
-                    reconciler.forget(&key);
-                    self.queue.add(key, Priority::High);
-                }
+                watcher::Event::Delete(_) => forget(&mut predicate, vec![key()], Priority::High),
             }
         }
     }
@@ -235,26 +250,35 @@ where
         mut children: BoxStream<'static, ChildEvent>,
         versions: Arc<ChildVersions>,
     ) {
-        let mut listed_once = false;
+        // Parts that completed a list: what a list of a new part finds only teaches us
+        // versions, as the primary's list of that part reconciles every owner anyway.
+        let mut parts_listed: HashSet<u64> = HashSet::new();
         while let Some(event) = children.next().await {
             match event {
-                ChildEvent::Listing { kind } => {
+                ChildEvent::Listing { kind, scope } => {
                     self.children_listed.send_modify(|listed| {
-                        listed.remove(kind);
+                        listed.entry(kind).or_default().retain(|b| !scope.buckets().contains(b));
                     });
                 }
-                ChildEvent::Listed { kind, selector } => {
-                    listed_once = true;
+                ChildEvent::Listed { kind, part, scope } => {
+                    parts_listed.insert(part);
                     self.children_listed.send_modify(|listed| {
-                        listed.insert(kind, selector);
+                        listed.entry(kind).or_default().extend(scope.buckets());
                     });
                     self.health.ready(kind);
                 }
-                ChildEvent::Changed { kind, owner, resource_version, content, initial } => {
+                ChildEvent::Dropped { kind, scope } => {
+                    versions.forget_kind_where(kind, |owner| scope.covers(owner.namespace()));
+                    self.children_listed.send_modify(|listed| {
+                        listed.entry(kind).or_default().retain(|b| !scope.buckets().contains(b));
+                    });
+                }
+                ChildEvent::Closed { part } => {
+                    parts_listed.remove(&part);
+                }
+                ChildEvent::Changed { kind, owner, resource_version, content, part, initial } => {
                     let news = versions.observe(kind, &owner, resource_version.as_deref(), content);
-                    // The first list only teaches us versions: the primary's initial list
-                    // reconciles every owner anyway.
-                    if news && (listed_once || !initial) {
+                    if news && (parts_listed.contains(&part) || !initial) {
                         self.queue.add(owner, Priority::High);
                     }
                 }
@@ -274,12 +298,12 @@ where
     async fn work<R: Reconciler<K>>(
         self: Arc<Self>,
         reconciler: Arc<R>,
-        children_listed: impl Fn(&BTreeMap<&'static str, Option<SliceSelector>>) -> bool,
+        children_listed: impl Fn(&ObjectKey, &BTreeMap<&'static str, Buckets>) -> bool,
     ) {
         let mut listed = self.children_listed.subscribe();
         while let Some(key) = self.queue.get().await {
             // The sender lives as long as `self`, so this cannot fail.
-            let _ = listed.wait_for(&children_listed).await;
+            let _ = listed.wait_for(|listed| children_listed(&key, listed)).await;
             self.metrics.active_workers(1.0);
             self.process(&key, reconciler.as_ref()).await;
             self.queue.done(&key);
@@ -351,14 +375,24 @@ where
     }
 }
 
+/// An object found by a list: its key, uid and generation.
+type Sighting = (ObjectKey, Option<String>, Option<i64>);
+
+/// `listed` without `buckets` (being listed again, or out of the slice).
+fn listed_without(listed: &mut Option<Buckets>, buckets: &Buckets) {
+    if let Some(listed) = listed {
+        listed.retain(|b| !buckets.contains(b));
+    }
+}
+
 /// Which list an object came in, for its queue lane.
 #[derive(Clone, Copy, Debug)]
 enum List {
     /// The first list since the start.
     First,
-    /// A list for another selector than the last one: buckets gained or lost.
+    /// The first list of a part of the slice: buckets gained.
     NewSlice,
-    /// A list of the same selector again, after a watch gap.
+    /// A list of a part again, after a watch gap.
     SameSlice,
 }
 
@@ -392,6 +426,7 @@ fn jittered(period: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::parts::Scope;
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::ObjectMeta;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -432,11 +467,12 @@ mod tests {
         };
         let (cache, mut writer) = crate::runtime::cache::new::<ConfigMap>();
         let events = vec![watcher::Event::Init, watcher::Event::InitApply(object), watcher::Event::InitDone];
+        let scope = Scope::everything();
         let primary: Vec<_> = events
             .into_iter()
             .map(|event| {
-                let key = writer.apply(&event);
-                Cached { event, key, backlog: false }
+                let (key, gone) = writer.apply(0, &scope, &event);
+                Cached::Event { part: 0, scope: scope.clone(), event, key, backlog: false, gone }
             })
             .collect();
         let primary = futures::stream::iter(primary).chain(futures::stream::pending());
@@ -453,9 +489,11 @@ mod tests {
         let shutdown = CancellationToken::new();
         let children = Vec::new();
         let versions = Arc::new(ChildVersions::default());
-        let (_selector_tx, selector) = tokio::sync::watch::channel(None);
+        let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([0])));
+        let slicing = Slicing::new(|_| 0, |_| None);
+        let sharding = (slice, slicing);
         let run =
-            tokio::spawn(controller.run(primary, children, selector, versions, reconciler.clone(), shutdown.clone()));
+            tokio::spawn(controller.run(primary, children, sharding, versions, reconciler.clone(), shutdown.clone()));
         // The paused clock jumps over the backoff; a wedged key would never be called again.
         for _ in 0..600 {
             if reconciler.0.load(Ordering::SeqCst) >= 2 {

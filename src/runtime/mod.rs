@@ -8,8 +8,8 @@
 //! [`cache`] shares one small key with the predicate and the queue. And the operator needs
 //! what its controller lacks:
 //! - two priority lanes, so a real edit goes before a relist's or a handoff's backlog;
-//! - watches that restart on a new slice selector, every event tagged with the selector it
-//!   was listed for, and no reconcile until the child watches have listed the current slice
+//! - watches of a changing slice in parts, so that a handoff lists only what it moves, and
+//!   no reconcile of an object until the child watches have listed its part of the slice
 //!   (what makes "write only what changed" safe across handoffs);
 //! - the write gate, checked per write, that ties every write to a confirmed Lease.
 //!
@@ -28,6 +28,7 @@ pub mod child_versions;
 pub mod controller;
 pub mod gate;
 pub mod key;
+pub mod parts;
 pub mod predicate;
 pub mod queue;
 pub mod watch;

@@ -5,9 +5,10 @@
 //! was down), and changes of `metadata.generation`; drops status-, label- and
 //! annotation-only updates, which leave the generation alone. Deletions are handled by
 //! the caller. Unlike kube-runtime's predicate, entries live exactly as long as the object
-//! is in the watch: a relist drops those that vanished, so a returning object counts as new.
+//! is in the cache: the controller forgets what the cache lets go of (deleted, gone from a
+//! relist, or out of the slice), so a returning object counts as new.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -35,7 +36,6 @@ pub enum Sight {
 #[derive(Default)]
 pub struct GenerationPredicate {
     seen: HashMap<ObjectKey, Seen>,
-    relisted: Option<HashSet<ObjectKey>>,
 }
 
 impl GenerationPredicate {
@@ -48,9 +48,6 @@ impl GenerationPredicate {
 
     /// Records `uid` and `generation` for `key`, and says how they differ from before.
     pub fn observe(&mut self, key: &ObjectKey, uid: Option<&str>, generation: Option<i64>) -> Sight {
-        if let Some(relisted) = &mut self.relisted {
-            relisted.insert(key.clone());
-        }
         let now = Seen { uid: uid.map(|uid| xxh3_64(uid.as_bytes())), generation };
         match self.seen.get_mut(key) {
             Some(seen) if *seen == now => Sight::Same,
@@ -68,21 +65,6 @@ impl GenerationPredicate {
 
     pub fn forget(&mut self, key: &ObjectKey) {
         self.seen.remove(key);
-    }
-
-    /// A relist starts: objects not seen again before [`Self::end_relist`] are gone.
-    pub fn begin_relist(&mut self) {
-        self.relisted = Some(HashSet::new());
-    }
-
-    /// Ends a relist and returns the keys that vanished during it.
-    pub fn end_relist(&mut self) -> Vec<ObjectKey> {
-        let relisted = self.relisted.take().unwrap_or_default();
-        let gone: Vec<ObjectKey> = self.seen.keys().filter(|k| !relisted.contains(*k)).cloned().collect();
-        for key in &gone {
-            self.seen.remove(key);
-        }
-        gone
     }
 
     pub fn len(&self) -> usize {
@@ -125,21 +107,7 @@ mod tests {
         let k = ObjectKey::new("ns", "a");
         assert!(p.changed(&k, Some("u1"), Some(1)));
         // Deleted and created again while the watch was down: the relist shows generation 1 again.
-        p.begin_relist();
         assert!(p.changed(&k, Some("u2"), Some(1)), "same name and generation, another object");
-        assert!(p.end_relist().is_empty());
         assert!(!p.changed(&k, Some("u2"), Some(1)));
-    }
-
-    #[test]
-    fn relist_drops_vanished_objects_so_they_count_as_new_on_return() {
-        let mut p = GenerationPredicate::default();
-        let (a, b) = (ObjectKey::new("ns", "a"), ObjectKey::new("ns", "b"));
-        p.changed(&a, Some("u1"), Some(1));
-        p.changed(&b, Some("u1"), Some(1));
-        p.begin_relist();
-        assert!(!p.changed(&a, Some("u1"), Some(1)), "unchanged objects in a relist are not new");
-        assert_eq!(p.end_relist(), vec![b.clone()]);
-        assert!(p.changed(&b, Some("u1"), Some(1)), "b came back, e.g. through a handoff");
     }
 }

@@ -58,6 +58,10 @@ fn describe() {
     describe_histogram!("rest_client_request_duration_seconds", "API request latency until the response headers.");
     describe_gauge!("traffic_policy_policies", "Policies of this replica's slice, by Ready status and reason.");
     describe_counter!("traffic_policy_watch_errors_total", "Failed watches and lists, by resource (retried).");
+    describe_counter!(
+        "traffic_policy_listed_objects_total",
+        "Objects the API server sent in lists (initial lists, handoffs, relists), by resource."
+    );
     describe_counter!("traffic_policy_bucket_label_errors_total", "Failed bucket labellings (retried).");
     describe_counter!(
         "controller_runtime_terminal_reconcile_errors_total",
@@ -168,6 +172,11 @@ pub fn api_request(method: &str, status: Option<u16>, took: Duration) {
 /// A watch or list of `resource` failed (it is retried with backoff).
 pub fn count_watch_error(resource: &str) {
     counter!("traffic_policy_watch_errors_total", "resource" => resource.to_string()).increment(1);
+}
+
+/// A list brought one object of `resource`.
+pub fn count_listed(resource: &str) {
+    counter!("traffic_policy_listed_objects_total", "resource" => resource.to_string()).increment(1);
 }
 
 /// Labelling a policy with its bucket failed (it is retried).

@@ -11,6 +11,7 @@ mod audit;
 mod common;
 mod faults;
 mod fleet;
+mod handoff;
 mod modes;
 mod server;
 

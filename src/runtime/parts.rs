@@ -1,0 +1,404 @@
+//! A watch of this replica's slice that lists only what a handoff moves.
+//!
+//! The slice is a set of buckets that changes with the assignment. It is watched in parts,
+//! each part one watch of the buckets gained in one change:
+//! - a gained bucket goes into a new part, whose list brings only what was gained;
+//! - a lost bucket leaves its part without a restart: its events are ignored from then on,
+//!   and a [`SliceEvent::Dropped`] tells consumers to forget what they hold of it;
+//! - a part whose watch relists (`410 Gone`, a restart of the API server) relists its own
+//!   buckets only.
+//!
+//! One watch of the whole slice would relist all of it on every change. The parts stay few:
+//! a gain that would make more than [`MAX_PARTS`] folds them into one watch of the whole
+//! slice (one relist, which consumers see as a part listing what it covers).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use futures::stream::{AbortHandle, Abortable, BoxStream, SelectAll};
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+
+use super::watch::SliceSelector;
+use crate::telemetry::metrics;
+
+/// More parts than this are folded into one watch at the next gain.
+pub const MAX_PARTS: usize = 8;
+
+/// Buckets of the slice.
+pub type Buckets = BTreeSet<u16>;
+
+/// The buckets this replica owns, `None` until it knows.
+pub type Slice = tokio::sync::watch::Receiver<Option<Buckets>>;
+
+/// How objects fall into buckets (by namespace), and how a watch asks the API server for
+/// some buckets.
+#[derive(Clone)]
+pub struct Slicing {
+    bucket_of: Arc<dyn Fn(&str) -> u16 + Send + Sync>,
+    selector: Arc<SelectorOf>,
+}
+
+type SelectorOf = dyn Fn(&Buckets) -> Option<SliceSelector> + Send + Sync;
+
+impl Slicing {
+    pub fn new(
+        bucket_of: impl Fn(&str) -> u16 + Send + Sync + 'static,
+        selector: impl Fn(&Buckets) -> Option<SliceSelector> + Send + Sync + 'static,
+    ) -> Self {
+        Self { bucket_of: Arc::new(bucket_of), selector: Arc::new(selector) }
+    }
+
+    pub fn bucket_of(&self, namespace: &str) -> u16 {
+        (self.bucket_of)(namespace)
+    }
+
+    pub fn scope(&self, buckets: Arc<Buckets>) -> Scope {
+        Scope { buckets, slicing: self.clone() }
+    }
+}
+
+/// The namespaces a part of the slice covers.
+#[derive(Clone)]
+pub struct Scope {
+    buckets: Arc<Buckets>,
+    slicing: Slicing,
+}
+
+impl Scope {
+    /// One bucket that holds every namespace: for tools and tests that watch unsharded.
+    pub fn everything() -> Self {
+        Slicing::new(|_| 0, |_| None).scope(Arc::new(Buckets::from([0])))
+    }
+
+    pub fn covers(&self, namespace: &str) -> bool {
+        self.buckets.contains(&self.slicing.bucket_of(namespace))
+    }
+
+    pub fn buckets(&self) -> &Buckets {
+        &self.buckets
+    }
+}
+
+impl Debug for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Scope({} buckets)", self.buckets.len())
+    }
+}
+
+/// What a watch of the slice reports.
+pub enum SliceEvent<K> {
+    /// An event of part `part`'s watch, which covers `scope` now. A list (`Init` to
+    /// `InitDone`) replaces what is known of `scope`; `scope` may shrink during it.
+    Part { part: u64, scope: Scope, event: watcher::Event<K> },
+    /// These buckets left the slice: forget what is known of them.
+    Dropped(Scope),
+    /// The part's watch is closed; a list it had under way will not complete.
+    Closed { part: u64 },
+}
+
+/// A watch of `api`, in parts, of the slice `slice` names; `fixed_labels` are always
+/// required in addition. Nothing is watched until the slice is known. Errors are counted,
+/// logged and retried with kube-runtime's default backoff.
+pub fn watch<K>(
+    api: Api<K>,
+    fixed_labels: Option<String>,
+    slice: Slice,
+    slicing: Slicing,
+) -> BoxStream<'static, SliceEvent<K>>
+where
+    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Debug
+        + Send
+        + 'static,
+{
+    let open = move |selector: Option<SliceSelector>| -> WatchEvents<K> {
+        let Some(selector) = selector else {
+            // Nothing to watch: an empty list, and the part counts as listed.
+            return futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
+                .chain(futures::stream::pending())
+                .boxed();
+        };
+        let (api, labels) = match &selector {
+            SliceSelector::Labels(labels) => (api.clone(), with_fixed(&fixed_labels, Some(labels))),
+            SliceSelector::Shards(shards) => (shard_selecting(&api, shards), with_fixed(&fixed_labels, None)),
+        };
+        // A consistent list (not `any_semantic`): after a handoff, the new owner must not
+        // start from an older state than the previous owner last wrote from.
+        let config = labels.iter().fold(watcher::Config::default(), |c, l| c.labels(l));
+        watcher(api, config).default_backoff().boxed()
+    };
+    sliced(slice, slicing, Box::new(open))
+}
+
+/// [`watch`], with `open` starting the watch of a selector.
+fn sliced<K>(slice: Slice, slicing: Slicing, open: Opener<K>) -> BoxStream<'static, SliceEvent<K>>
+where
+    K: Resource<DynamicType = ()> + Send + 'static,
+{
+    let parts = Parts {
+        open,
+        slicing,
+        owned: None,
+        parts: BTreeMap::new(),
+        watches: SelectAll::new(),
+        next_id: 0,
+        pending: Vec::new(),
+    };
+    futures::stream::unfold((parts, slice), |(mut parts, mut slice)| async move {
+        loop {
+            if !parts.pending.is_empty() {
+                let event = parts.pending.remove(0);
+                return Some((event, (parts, slice)));
+            }
+            tokio::select! {
+                // A change of the slice first: nothing more of a lost bucket is passed on.
+                biased;
+                changed = slice.changed() => {
+                    changed.ok()?;
+                    let owned = slice.borrow_and_update().clone();
+                    if let Some(owned) = owned {
+                        parts.retarget(owned);
+                    }
+                }
+                Some((part, event)) = parts.watches.next(), if !parts.watches.is_empty() => {
+                    if let Some(event) = parts.route(part, event) {
+                        return Some((event, (parts, slice)));
+                    }
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+type WatchEvents<K> = BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
+type Opener<K> = Box<dyn Fn(Option<SliceSelector>) -> WatchEvents<K> + Send>;
+type PartEvents<K> = BoxStream<'static, (u64, Result<watcher::Event<K>, watcher::Error>)>;
+
+struct Part {
+    buckets: Arc<Buckets>,
+    stop: AbortHandle,
+}
+
+struct Parts<K> {
+    open: Opener<K>,
+    slicing: Slicing,
+    /// The slice being watched, once known.
+    owned: Option<Buckets>,
+    parts: BTreeMap<u64, Part>,
+    watches: SelectAll<PartEvents<K>>,
+    next_id: u64,
+    /// Events to pass on before anything else.
+    pending: Vec<SliceEvent<K>>,
+}
+
+impl<K> Parts<K>
+where
+    K: Resource<DynamicType = ()> + Send + 'static,
+{
+    fn retarget(&mut self, owned: Buckets) {
+        let first = self.owned.is_none();
+        let before = self.owned.replace(owned.clone()).unwrap_or_default();
+        let lost: Buckets = before.difference(&owned).copied().collect();
+        let gained: Buckets = owned.difference(&before).copied().collect();
+        if !lost.is_empty() {
+            for part in self.parts.values_mut() {
+                if !part.buckets.is_disjoint(&lost) {
+                    part.buckets = Arc::new(part.buckets.difference(&lost).copied().collect());
+                }
+            }
+            self.pending.push(SliceEvent::Dropped(self.slicing.scope(Arc::new(lost))));
+        }
+        let empty: Vec<u64> = self.parts.iter().filter(|(_, p)| p.buckets.is_empty()).map(|(id, _)| *id).collect();
+        empty.into_iter().for_each(|id| self.close(id));
+        if gained.is_empty() && !first {
+            return;
+        }
+        if self.parts.len() >= MAX_PARTS {
+            tracing::info!(parts = self.parts.len(), "folding the slice's watches into one (a relist of the slice)");
+            let all: Vec<u64> = self.parts.keys().copied().collect();
+            all.into_iter().for_each(|id| self.close(id));
+            self.open(owned);
+        } else {
+            // The first slice may be empty: its part lists nothing, so consumers know it.
+            self.open(gained);
+        }
+    }
+
+    fn open(&mut self, buckets: Buckets) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let events = (self.open)((self.slicing.selector)(&buckets));
+        let (stop, registration) = AbortHandle::new_pair();
+        self.watches.push(Abortable::new(events, registration).map(move |event| (id, event)).boxed());
+        self.parts.insert(id, Part { buckets: Arc::new(buckets), stop });
+    }
+
+    fn close(&mut self, id: u64) {
+        if let Some(part) = self.parts.remove(&id) {
+            part.stop.abort();
+            self.pending.push(SliceEvent::Closed { part: id });
+        }
+    }
+
+    /// Passes on an event of a part still open, unless it is about a bucket the part no
+    /// longer covers.
+    fn route(&self, id: u64, event: Result<watcher::Event<K>, watcher::Error>) -> Option<SliceEvent<K>> {
+        let kind = K::kind(&());
+        let event = match event {
+            Ok(event) => event,
+            Err(error) => {
+                metrics::count_watch_error(&kind);
+                tracing::warn!(%kind, %error, "watch failed; retrying with backoff");
+                return None;
+            }
+        };
+        let part = self.parts.get(&id)?;
+        let scope = self.slicing.scope(part.buckets.clone());
+        match &event {
+            watcher::Event::Apply(object) | watcher::Event::InitApply(object) | watcher::Event::Delete(object) => {
+                if matches!(event, watcher::Event::InitApply(_)) {
+                    metrics::count_listed(&kind);
+                }
+                if !scope.covers(&object.namespace().unwrap_or_default()) {
+                    return None;
+                }
+            }
+            watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+        Some(SliceEvent::Part { part: id, scope, event })
+    }
+}
+
+fn with_fixed(fixed: &Option<String>, labels: Option<&String>) -> Option<String> {
+    match (fixed, labels) {
+        (Some(fixed), Some(labels)) => Some(format!("{fixed},{labels}")),
+        (fixed, labels) => fixed.as_ref().or(labels).cloned(),
+    }
+}
+
+/// `api` with every request asking for `shardSelector=shards` (kube's list and watch
+/// parameters have no field for it yet).
+fn shard_selecting<K>(api: &Api<K>, shards: &str) -> Api<K>
+where
+    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope> + Clone,
+{
+    let client = crate::client::with_query(api.clone().into_client(), "shardSelector", shards);
+    match api.namespace() {
+        Some(namespace) => Api::namespaced(client, namespace),
+        None => Api::all(client),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::ObjectMeta;
+
+    use super::*;
+
+    /// A slicing where namespace `ns-N` is in bucket N, and the selector names the buckets.
+    fn slicing() -> Slicing {
+        Slicing::new(
+            |ns| ns.trim_start_matches("ns-").parse().unwrap(),
+            |buckets| {
+                let names: Vec<String> = buckets.iter().map(u16::to_string).collect();
+                (!buckets.is_empty()).then(|| SliceSelector::Labels(names.join(",")))
+            },
+        )
+    }
+
+    fn in_bucket(bucket: &str) -> ConfigMap {
+        let metadata =
+            ObjectMeta { name: Some("p".into()), namespace: Some(format!("ns-{bucket}")), ..Default::default() };
+        ConfigMap { metadata, ..Default::default() }
+    }
+
+    /// Watches that list one object per bucket they select, then stay quiet; the selectors
+    /// opened are kept in `opened`.
+    fn lister(opened: Arc<Mutex<Vec<String>>>) -> Opener<ConfigMap> {
+        Box::new(move |selector| {
+            let buckets = match selector {
+                Some(SliceSelector::Labels(buckets)) => buckets,
+                _ => String::new(),
+            };
+            opened.lock().unwrap().push(buckets.clone());
+            let objects =
+                buckets.split(',').filter(|b| !b.is_empty()).map(|b| Ok(watcher::Event::InitApply(in_bucket(b))));
+            let list = [Ok(watcher::Event::Init)].into_iter().chain(objects).chain([Ok(watcher::Event::InitDone)]);
+            futures::stream::iter(list.collect::<Vec<_>>()).chain(futures::stream::pending()).boxed()
+        })
+    }
+
+    /// Describes the next events until a list completes.
+    async fn until_listed(events: &mut BoxStream<'static, SliceEvent<ConfigMap>>) -> Vec<String> {
+        let mut seen = Vec::new();
+        loop {
+            let next = tokio::time::timeout(Duration::from_secs(5), events.next()).await;
+            let event = next.expect("an event in time").expect("the stream goes on");
+            let (text, done) = match event {
+                SliceEvent::Part { part, event: watcher::Event::InitApply(o), .. } => {
+                    (format!("{part}: {}", o.metadata.namespace.unwrap()), false)
+                }
+                SliceEvent::Part { part, event: watcher::Event::InitDone, scope } => {
+                    (format!("{part}: listed {:?}", scope.buckets()), true)
+                }
+                SliceEvent::Part { .. } => continue,
+                SliceEvent::Dropped(scope) => (format!("dropped {:?}", scope.buckets()), false),
+                SliceEvent::Closed { part } => (format!("closed {part}"), false),
+            };
+            seen.push(text);
+            if done {
+                return seen;
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_gain_lists_only_what_was_gained_and_a_loss_relists_nothing() {
+        let opened = Arc::new(Mutex::new(Vec::new()));
+        let (slice_tx, slice) = tokio::sync::watch::channel(None);
+        let mut events = sliced(slice, slicing(), lister(opened.clone()));
+
+        slice_tx.send_replace(Some(Buckets::from([1, 2])));
+        assert_eq!(until_listed(&mut events).await, ["0: ns-1", "0: ns-2", "0: listed {1, 2}"]);
+
+        slice_tx.send_replace(Some(Buckets::from([2, 3])));
+        assert_eq!(until_listed(&mut events).await, ["dropped {1}", "1: ns-3", "1: listed {3}"]);
+        assert_eq!(*opened.lock().unwrap(), ["1,2", "3"], "bucket 2 was not listed again");
+
+        // Losing a part's last bucket closes its watch.
+        slice_tx.send_replace(Some(Buckets::from([2, 4])));
+        assert_eq!(until_listed(&mut events).await, ["dropped {3}", "closed 1", "2: ns-4", "2: listed {4}"]);
+    }
+
+    #[tokio::test]
+    async fn a_gain_past_the_most_parts_folds_them_into_one_watch() {
+        let opened = Arc::new(Mutex::new(Vec::new()));
+        let (slice_tx, slice) = tokio::sync::watch::channel(None);
+        let mut events = sliced(slice, slicing(), lister(opened.clone()));
+        let mut owned = Buckets::new();
+        for bucket in 1..=MAX_PARTS as u16 {
+            owned.insert(bucket);
+            slice_tx.send_replace(Some(owned.clone()));
+            until_listed(&mut events).await;
+        }
+        owned.insert(100);
+        slice_tx.send_replace(Some(owned.clone()));
+        let seen = until_listed(&mut events).await;
+        let closed = seen.iter().filter(|e| e.starts_with("closed")).count();
+        assert_eq!(closed, MAX_PARTS, "{seen:?}");
+        assert_eq!(seen.last().unwrap(), &format!("{MAX_PARTS}: listed {owned:?}"));
+        assert_eq!(opened.lock().unwrap().last().unwrap(), "1,2,3,4,5,6,7,8,100");
+    }
+}
