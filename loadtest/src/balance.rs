@@ -109,7 +109,7 @@ async fn check(
 }
 
 /// The run's policies per namespace.
-fn created_per_namespace(args: &Args) -> BTreeMap<String, u32> {
+pub fn created_per_namespace(args: &Args) -> BTreeMap<String, u32> {
     let mut counts = BTreeMap::new();
     for i in 0..args.objects {
         *counts.entry(args.namespace_of(i)).or_default() += 1;
@@ -118,7 +118,7 @@ fn created_per_namespace(args: &Args) -> BTreeMap<String, u32> {
 }
 
 /// Policies per bucket of `assignment`'s mode.
-fn by_bucket(per_namespace: &BTreeMap<String, u32>, assignment: &Assignment) -> Counts {
+pub fn by_bucket(per_namespace: &BTreeMap<String, u32>, assignment: &Assignment) -> Counts {
     let mut counts = Counts::new();
     for (namespace, n) in per_namespace {
         *counts.entry(assignment.mode.bucket_of(namespace)).or_default() += n;

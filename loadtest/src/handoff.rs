@@ -1,15 +1,26 @@
 //! `loadtest run --handoff`: what moving buckets costs, after convergence. One more replica
 //! joins and then leaves again (3 → 4 → 3 with `--replicas 3`), while single edits go on one
 //! at a time. For each of the two handoffs it reports, per replica, the policies its lists
-//! brought (`traffic_policy_listed_objects_total`) against the policies it gained, and the
-//! latency of the edits made meanwhile.
+//! brought (`traffic_policy_listed_objects_total`) against the policies of the buckets it
+//! gained, in every assignment the leader published meanwhile (read from a watch of the
+//! assignment); the policies that changed owner between the first and the last assignment;
+//! and the latency of the edits made meanwhile.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
+use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
+use traffic_policy_operator::coordination::follower::decode;
+use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
+use traffic_policy_operator::sharding::membership::pod_of;
 
 use crate::run::{Args, OPERATOR_NAMESPACE, Replica, Tracker, Watched, edit_and_wait, edit_percentiles, start_replica};
 
@@ -53,24 +64,107 @@ async fn settled(client: &Client, args: &Args, replicas: &[Replica], what: &str)
     }
 }
 
-/// Each replica's policies listed and gained between `before` and `after`.
-fn moved(before: &Counts, after: &Counts) -> serde_json::Value {
+/// Every assignment published while the watch runs, in order.
+fn record_assignments(client: &Client) -> (Arc<Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
+    let seen = Arc::new(Mutex::new(Vec::<Assignment>::new()));
+    let api = Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE);
+    let config = watcher::Config::default().fields(&format!("metadata.name={ASSIGNMENT_CONFIGMAP}"));
+    let task = tokio::spawn({
+        let seen = seen.clone();
+        async move {
+            let mut events = watcher(api, config).default_backoff().applied_objects().boxed();
+            while let Some(event) = events.next().await {
+                if let Some((assignment, _)) = event.ok().as_ref().and_then(decode) {
+                    let mut seen = seen.lock().unwrap();
+                    if seen.last().is_none_or(|last| last.generation < assignment.generation) {
+                        seen.push(assignment);
+                    }
+                }
+            }
+        }
+    });
+    (seen, task)
+}
+
+/// Policies the API server has returned in lists so far, whether from its watch cache or
+/// from etcd: the cost of handoffs as the server sees it, whichever operator build lists.
+async fn server_listed(client: &Client) -> anyhow::Result<f64> {
+    let text = client.request_text(http::Request::get("/metrics").body(Vec::new())?).await?;
+    let counters = ["apiserver_cache_list_returned_objects_total{", "apiserver_storage_list_returned_objects_total{"];
+    Ok(text
+        .lines()
+        .filter(|l| counters.iter().any(|c| l.starts_with(c)) && l.contains("applicationtrafficpolicies"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+/// The pod that owns each bucket (`None`: free or draining).
+fn owners(assignment: &Assignment) -> Vec<Option<&str>> {
+    assignment
+        .slots
+        .iter()
+        .map(|slot| match slot {
+            Slot::Owned { member, .. } => Some(pod_of(member)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What a handoff cost, from the replicas' counts before and after it and the assignments
+/// published from its start to its end.
+fn cost(args: &Args, before: &Counts, after: &Counts, history: &[Assignment], server_listed: f64) -> serde_json::Value {
+    let created = crate::balance::created_per_namespace(args);
+    let (Some(first), Some(last)) = (history.first(), history.last()) else { return serde_json::Value::Null };
+    let per_bucket = crate::balance::by_bucket(&created, first);
+    let policies = |bucket: usize| f64::from(per_bucket.get(&(bucket as u16)).copied().unwrap_or(0));
+    // Each replica gains a bucket whenever an assignment gives it one that the previous did not.
+    let mut gained: BTreeMap<&str, f64> = BTreeMap::new();
+    for pair in history.windows(2) {
+        let (was, now) = (owners(&pair[0]), owners(&pair[1]));
+        for (bucket, (was, now)) in was.iter().zip(&now).enumerate() {
+            if let Some(now) = now.filter(|now| *was != Some(*now)) {
+                *gained.entry(now).or_default() += policies(bucket);
+            }
+        }
+    }
+    let net_moved: f64 = owners(first)
+        .iter()
+        .zip(owners(last))
+        .enumerate()
+        .filter(|(_, (was, now))| **was != *now)
+        .map(|(bucket, _)| policies(bucket))
+        .sum();
     let replicas: Vec<serde_json::Value> = after
         .iter()
         .map(|(name, listed, cached)| {
-            let (listed_before, cached_before) =
-                before.iter().find(|(n, _, _)| n == name).map_or((0.0, 0.0), |(_, l, c)| (*l, *c));
+            let listed_before = before.iter().find(|(n, _, _)| n == name).map_or(0.0, |(_, l, _)| *l);
             json!({
                 "replica": name,
                 "listed": listed - listed_before,
-                "gained": (cached - cached_before).max(0.0),
+                "gained": gained.get(name.as_str()).copied().unwrap_or_default(),
                 "slice": cached,
             })
         })
         .collect();
     let sum = |field: &str| replicas.iter().map(|r| r[field].as_f64().unwrap_or_default()).sum::<f64>();
     let (listed, gained) = (sum("listed"), sum("gained"));
-    json!({ "replicas": replicas, "listed": listed, "gained": gained, "listed_over_gained": listed / gained.max(1.0) })
+    json!({
+        "replicas": replicas,
+        "listed": listed,
+        "server_listed": server_listed,
+        "gained": gained,
+        "listed_over_gained": listed / gained.max(1.0),
+        "net_moved": net_moved,
+        "assignments": history.len(),
+        "generations": [first.generation, last.generation],
+    })
+}
+
+/// The assignments recorded since the `from`-th, and how many there are now.
+fn since(recorded: &Mutex<Vec<Assignment>>, from: usize) -> (Vec<Assignment>, usize) {
+    let recorded = recorded.lock().unwrap();
+    // The phase starts from the last assignment before it.
+    (recorded[from.saturating_sub(1)..].to_vec(), recorded.len())
 }
 
 pub async fn measure(
@@ -82,6 +176,16 @@ pub async fn measure(
     tracker: &Arc<Mutex<Tracker>>,
 ) -> anyhow::Result<serde_json::Value> {
     let before = settled(client, args, replicas, "convergence").await?;
+    let (recorded, recorder) = record_assignments(client);
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while recorded.lock().unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("no assignment seen"))?;
+    let start = recorded.lock().unwrap().len();
+    let listed_at_start = server_listed(client).await?;
     // Edits one at a time, 100 ms apart, through both handoffs.
     let stop = Arc::new(AtomicBool::new(false));
     let editor = {
@@ -99,12 +203,14 @@ pub async fn measure(
         })
     };
 
-    let name = format!("r-{}", replicas.len());
+    let name = format!("load-{}", replicas.len());
     eprintln!("handoff: starting {name}...");
     let joined = start_replica(cp, args, &name).await?;
     pids.lock().unwrap().push((name.clone(), joined.process.pid(), joined.metrics_port));
     replicas.push(joined);
     let grown = settled(client, args, replicas, &format!("{name} joined")).await?;
+    let (join_history, joined_at) = since(&recorded, start);
+    let listed_at_join = server_listed(client).await?;
 
     eprintln!("handoff: stopping {name}...");
     let mut leaving = replicas.pop().expect("the replica that joined");
@@ -112,14 +218,17 @@ pub async fn measure(
     anyhow::ensure!(status.is_some_and(|s| s.success()), "{name} did not exit 0 on SIGTERM: {status:?}");
     pids.lock().unwrap().retain(|(n, _, _)| *n != name);
     let shrunk = settled(client, args, replicas, &format!("{name} left")).await?;
+    let (leave_history, _) = since(&recorded, joined_at);
+    let listed_at_end = server_listed(client).await?;
+    recorder.abort();
 
     stop.store(true, Ordering::Relaxed);
     let latencies = editor.await??;
     let edits = edit_percentiles(latencies);
     let p99 = edits["p99"].as_f64().unwrap_or(f64::INFINITY);
     Ok(json!({
-        "join": moved(&before, &grown),
-        "leave": moved(&grown, &shrunk),
+        "join": cost(args, &before, &grown, &join_history, listed_at_join - listed_at_start),
+        "leave": cost(args, &grown, &shrunk, &leave_history, listed_at_end - listed_at_join),
         "edit_latency_ms": edits,
         "edit_p99_target_ms": EDIT_P99_TARGET_MS,
         "edit_p99_pass": p99 <= EDIT_P99_TARGET_MS,
@@ -128,6 +237,7 @@ pub async fn measure(
 
 /// The text summary of a handoff measurement.
 pub fn summary(handoff: &serde_json::Value) -> String {
+    let n = |v: &serde_json::Value| format!("{:.0}", v.as_f64().unwrap_or_default().abs());
     let mut text = String::new();
     for (phase, what) in [("join", "a replica joins"), ("leave", "it leaves again")] {
         let h = &handoff[phase];
@@ -135,13 +245,19 @@ pub fn summary(handoff: &serde_json::Value) -> String {
             .as_array()
             .into_iter()
             .flatten()
-            .map(|r| format!("{} listed {} / gained {} (slice {})", r["replica"], r["listed"], r["gained"], r["slice"]))
+            .map(|r| {
+                let name = r["replica"].as_str().unwrap_or_default();
+                format!("{name} listed {} / gained {} (slice {})", n(&r["listed"]), n(&r["gained"]), n(&r["slice"]))
+            })
             .collect();
         text += &format!(
-            "  handoff, {what}: {} policies listed for {} gained ({:.2}): {}\n",
-            h["listed"],
-            h["gained"],
+            "  handoff, {what}: {} policies listed ({} by the API server's count) for {} gained in {} assignments ({:.2}); {} changed owner from the first to the last: {}\n",
+            n(&h["listed"]),
+            n(&h["server_listed"]),
+            n(&h["gained"]),
+            h["assignments"],
             h["listed_over_gained"].as_f64().unwrap_or_default(),
+            n(&h["net_moved"]),
             each.join(", ")
         );
     }
