@@ -3,8 +3,9 @@
 //! lists them back, then decodes the same JSON into the operator's cache twice, once trimmed
 //! as the operator does and once untrimmed, and reads jemalloc's allocated-bytes counter
 //! around each. Then it fills the runtime's other per-policy state as a converged replica
-//! holds it (the generation predicate, the child versions of both children, the queue's
-//! scheduled resync) and measures each the same way.
+//! holds it (the child versions of both children, the queue's scheduled resync) and measures
+//! each the same way. The generation predicate keeps nothing of its own: the cache is its
+//! memory.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -54,7 +55,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let untrimmed = store_bytes(&raw, false)?;
     let trimmed = store_bytes(&raw, true)?;
     let runtime = runtime_bytes(&raw)?;
-    let total = trimmed + runtime.predicate + runtime.child_versions + runtime.queue;
+    let total = trimmed + runtime.child_versions + runtime.queue;
     let n = raw.len() as f64;
     let result = json!({
         "objects": raw.len(),
@@ -62,7 +63,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "cached_bytes_per_object_untrimmed": untrimmed as f64 / n,
         "cached_bytes_per_object_trimmed": trimmed as f64 / n,
         "trimmed_to_untrimmed_ratio": trimmed as f64 / untrimmed as f64,
-        "predicate_bytes_per_object": runtime.predicate as f64 / n,
         "child_versions_bytes_per_object": runtime.child_versions as f64 / n,
         "queue_bytes_per_object": runtime.queue as f64 / n,
         "runtime_bytes_per_object": total as f64 / n,
@@ -80,12 +80,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         trimmed as f64 / untrimmed as f64
     );
     println!();
-    println!("| per policy | store (trimmed) | generation predicate | child versions | queue (resync) | total |");
-    println!("|---|---|---|---|---|---|");
+    println!("| per policy | store (trimmed) | child versions | queue (resync) | total |");
+    println!("|---|---|---|---|---|");
     println!(
-        "| bytes | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+        "| bytes | {:.0} | {:.0} | {:.0} | {:.0} |",
         trimmed as f64 / n,
-        runtime.predicate as f64 / n,
         runtime.child_versions as f64 / n,
         runtime.queue as f64 / n,
         total as f64 / n
@@ -120,13 +119,12 @@ fn store_bytes(raw: &[Vec<u8>], trimmed: bool) -> anyhow::Result<usize> {
 
 /// Heap bytes of the runtime's other per-policy state, each part measured alone.
 struct RuntimeBytes {
-    predicate: usize,
     child_versions: usize,
     queue: usize,
 }
 
-/// Fills each structure as a converged replica holds it: every policy seen once, both its
-/// children written, and its resync scheduled. Each holds the keys the cache hands out with
+/// Fills each structure as a converged replica holds it: both children of every policy
+/// written, and its resync scheduled. Each holds the keys the cache hands out with
 /// each event, as in the operator, so keys are counted in the store only.
 fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
     use std::time::Duration;
@@ -134,7 +132,6 @@ fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
         backoff::Backoff,
         child_versions::ChildVersions,
         key::ObjectKey,
-        predicate::GenerationPredicate,
         queue::{Priority, WorkQueue},
     };
     use traffic_policy_operator::telemetry::metrics::QueueMetrics;
@@ -144,16 +141,8 @@ fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
     let (_cache, mut writer) = cache::new();
     let all = Scope::everything();
     let cached: Vec<ObjectKey> =
-        policies.iter().filter_map(|p| writer.apply(0, &all, &watcher::Event::Apply(p.clone())).0).collect();
+        policies.iter().filter_map(|p| writer.apply(0, &all, &watcher::Event::Apply(p.clone())).key).collect();
     let keys = || cached.iter().cloned().zip(&policies);
-
-    let before = allocated()?;
-    let mut predicate = GenerationPredicate::default();
-    for (key, policy) in keys() {
-        predicate.observe(&key, policy.metadata.uid.as_deref(), policy.metadata.generation);
-    }
-    let predicate_bytes = allocated()?.saturating_sub(before);
-    drop(predicate);
 
     let before = allocated()?;
     let versions = ChildVersions::default();
@@ -174,7 +163,7 @@ fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
     let queue_bytes = allocated()?.saturating_sub(before);
     drop(queue);
 
-    Ok(RuntimeBytes { predicate: predicate_bytes, child_versions: child_versions_bytes, queue: queue_bytes })
+    Ok(RuntimeBytes { child_versions: child_versions_bytes, queue: queue_bytes })
 }
 
 fn allocated() -> anyhow::Result<usize> {

@@ -2,12 +2,16 @@
 //!
 //! kube-runtime's reflector store does the same, but keys each object by an `ObjectRef`
 //! that copies its name, namespace, resourceVersion and uid: about 170 bytes a policy.
-//! Here the key is the queue's, and it is handed on with each event, so the predicate, the
-//! queue and the child versions hold the cache's own allocation rather than copies.
+//! Here the key is the queue's, and it is handed on with each event, so the queue and the
+//! child versions hold the cache's own allocation rather than copies.
+//!
+//! The cache is also the generation predicate's memory: each event's object is compared with
+//! the one cached before it (see [`super::predicate`]).
 //!
 //! As in the reflector, a list is gathered aside and replaces what the cache holds of its
-//! part of the slice when it completes: readers never see a half-listed part. Unlike it, a list keeps the objects it
-//! finds unchanged as they are cached, so a relist does not hold two copies of a slice.
+//! part of the slice when it completes: readers never see a half-listed part. Unlike it, a
+//! list keeps the objects it finds unchanged as they are cached, so a relist does not hold
+//! two copies of a slice.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -17,6 +21,7 @@ use kube::runtime::watcher;
 
 use super::key::ObjectKey;
 use super::parts::Scope;
+use super::predicate::{Sight, sight};
 
 type Objects<K> = HashMap<ObjectKey, Arc<K>>;
 
@@ -71,35 +76,53 @@ impl<K> Cache<K> {
     }
 }
 
+/// What the cache made of a watch event.
+#[derive(Debug)]
+pub struct Applied {
+    /// The cache's key for the event's object, if it has one.
+    pub key: Option<ObjectKey>,
+    /// How the event's object differs from what the cache held under its name (the
+    /// generation predicate; `Same` for events without an object, and for deletions).
+    pub sight: Sight,
+    /// What the cache let go of: at the end of a list, the objects of its scope it did not find.
+    pub gone: Vec<ObjectKey>,
+}
+
+impl Applied {
+    fn object(key: ObjectKey, sight: Sight) -> Self {
+        Self { key: Some(key), sight, gone: Vec::new() }
+    }
+
+    fn nothing() -> Self {
+        Self { key: None, sight: Sight::Same, gone: Vec::new() }
+    }
+}
+
 impl<K: Resource + Clone> CacheWriter<K> {
-    /// Applies an event of part `part` of the slice, which covers `scope`. Returns the
-    /// cache's key for the event's object, if it has one, and the keys the cache let go of:
-    /// a complete list replaces what the cache holds in `scope`.
-    pub fn apply(
-        &mut self,
-        part: u64,
-        scope: &Scope,
-        event: &watcher::Event<K>,
-    ) -> (Option<ObjectKey>, Vec<ObjectKey>) {
+    /// Applies an event of part `part` of the slice, which covers `scope`. A complete list
+    /// replaces what the cache holds in `scope`.
+    pub fn apply(&mut self, part: u64, scope: &Scope, event: &watcher::Event<K>) -> Applied {
         match event {
             watcher::Event::Init => {
                 self.listing.insert(part, HashMap::new());
-                (None, Vec::new())
+                Applied::nothing()
             }
             watcher::Event::InitApply(object) => {
                 // An object the relist finds unchanged is kept as cached: a relist of a slice
                 // (after a handoff or a watch gap) then adds only what changed to memory.
                 let key = ObjectKey::of(object);
-                let (key, cached) = match self.cache.read().get_key_value(&key) {
-                    Some((key, cached)) if same_version(cached.as_ref(), object) => (key.clone(), cached.clone()),
-                    Some((key, _)) => (key.clone(), cached_copy(object)),
-                    None => (key, cached_copy(object)),
+                let (key, cached, sight) = match self.cache.read().get_key_value(&key) {
+                    Some((key, cached)) if same_version(cached.as_ref(), object) => {
+                        (key.clone(), cached.clone(), Sight::Same)
+                    }
+                    Some((key, cached)) => (key.clone(), cached_copy(object), sight(Some(cached.as_ref()), object)),
+                    None => (key, cached_copy(object), Sight::New),
                 };
                 self.listing.entry(part).or_default().insert(key.clone(), cached);
-                (Some(key), Vec::new())
+                Applied::object(key, sight)
             }
             watcher::Event::InitDone => {
-                let Some(mut listed) = self.listing.remove(&part) else { return (None, Vec::new()) };
+                let Some(mut listed) = self.listing.remove(&part) else { return Applied::nothing() };
                 // Buckets the part lost during the list are no longer its to fill.
                 listed.retain(|key, _| scope.covers(key.namespace()));
                 let removed = {
@@ -110,18 +133,25 @@ impl<K: Resource + Clone> CacheWriter<K> {
                     gone
                 };
                 // What was let go of is freed after the lock is released.
-                (None, removed.into_iter().map(|(key, _)| key).collect())
+                let gone = removed.into_iter().map(|(key, _)| key).collect();
+                Applied { key: None, sight: Sight::Same, gone }
             }
             watcher::Event::Apply(object) => {
                 let mut objects = self.cache.write();
                 let key = ObjectKey::of(object);
-                let key = objects.get_key_value(&key).map_or(key, |(cached, _)| cached.clone());
-                objects.insert(key.clone(), cached_copy(object));
-                (Some(key), Vec::new())
+                let (key, sight) = match objects.get_key_value(&key) {
+                    Some((cached_key, cached)) => (cached_key.clone(), sight(Some(cached.as_ref()), object)),
+                    None => (key, Sight::New),
+                };
+                let replaced = objects.insert(key.clone(), cached_copy(object));
+                drop(objects);
+                drop(replaced);
+                Applied::object(key, sight)
             }
             watcher::Event::Delete(object) => {
                 let key = ObjectKey::of(object);
-                (Some(self.cache.write().remove_entry(&key).map_or(key, |(cached, _)| cached)), Vec::new())
+                let key = self.cache.write().remove_entry(&key).map_or(key, |(cached, _)| cached);
+                Applied::object(key, Sight::Same)
             }
         }
     }
@@ -235,14 +265,14 @@ mod tests {
     fn keys_handed_out_share_the_cached_key() {
         let all = Scope::everything();
         let (cache, mut writer) = new::<ConfigMap>();
-        let first = writer.apply(0, &all, &watcher::Event::Apply(cm("a", "1"))).0.unwrap();
-        let again = writer.apply(0, &all, &watcher::Event::Apply(cm("a", "2"))).0.unwrap();
+        let first = writer.apply(0, &all, &watcher::Event::Apply(cm("a", "1"))).key.unwrap();
+        let again = writer.apply(0, &all, &watcher::Event::Apply(cm("a", "2"))).key.unwrap();
         let relisted = {
             writer.apply(0, &all, &watcher::Event::Init);
-            writer.apply(0, &all, &watcher::Event::InitApply(cm("a", "3"))).0.unwrap()
+            writer.apply(0, &all, &watcher::Event::InitApply(cm("a", "3"))).key.unwrap()
         };
         writer.apply(0, &all, &watcher::Event::InitDone);
-        let deleted = writer.apply(0, &all, &watcher::Event::Delete(cm("a", "4"))).0.unwrap();
+        let deleted = writer.apply(0, &all, &watcher::Event::Delete(cm("a", "4"))).key.unwrap();
         for key in [&again, &relisted, &deleted] {
             assert!(first.shares(key), "{key} is a copy");
         }
@@ -272,7 +302,7 @@ mod tests {
         // Part 1 relists and no longer finds b/y; part 0's objects are not its to drop.
         writer.apply(1, &b, &watcher::Event::Init);
         writer.apply(1, &b, &watcher::Event::InitApply(in_ns("b", "x")));
-        let (_, gone) = writer.apply(1, &b, &watcher::Event::InitDone);
+        let gone = writer.apply(1, &b, &watcher::Event::InitDone).gone;
         assert_eq!(gone, [ObjectKey::new("b", "y")]);
         assert_eq!(cache.len(), 3);
         let mut dropped = writer.drop_scope(&a);

@@ -15,6 +15,7 @@
 //! children are held, and compared with what we wrote once the writes are done.
 
 use std::collections::HashMap;
+use std::num::NonZeroU64;
 use std::sync::Mutex;
 
 use kube::api::ObjectMeta;
@@ -45,26 +46,34 @@ pub fn stamped_content(meta: &ObjectMeta, field_manager: &str) -> Option<u64> {
     if changed_since { None } else { u64::from_str_radix(stamp, 16).ok() }
 }
 
-/// What we know of one child.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What we know of one child (32 bytes: the hashes are never 0, so their options cost
+/// nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Known {
     /// The [`version`] of its resourceVersion; `None` once the child was seen deleted.
-    resource_version: Option<u64>,
+    resource_version: Option<Hash>,
     /// The owner's generation at our last write.
     written_for_generation: Option<i64>,
     /// The content hash of what the child holds, when known: from our write, or from an
     /// event whose change was our field manager's (see [`stamped_content`]).
-    content: Option<u64>,
+    content: Option<Hash>,
 }
 
 impl Known {
     const UNKNOWN: Known = Known { resource_version: None, written_for_generation: None, content: None };
 }
 
+/// A hash kept for comparison only; 0 is taken as 1, a collision of no consequence.
+type Hash = NonZeroU64;
+
+fn hash(value: u64) -> Hash {
+    NonZeroU64::new(value).unwrap_or(NonZeroU64::MIN)
+}
+
 /// A resourceVersion, hashed: it is only ever compared for equality, and a hash is a tenth
 /// of a string's memory (one per child of every policy).
-fn version(resource_version: &str) -> u64 {
-    xxh3_64(resource_version.as_bytes())
+fn version(resource_version: &str) -> Hash {
+    hash(xxh3_64(resource_version.as_bytes()))
 }
 
 /// The most kinds of children an owner may have: room for each in every owner's entry.
@@ -72,24 +81,14 @@ fn version(resource_version: &str) -> u64 {
 /// this at start, so a third kind fails there rather than on its first event.)
 pub const CHILD_KINDS: usize = 2;
 
-/// What we know of one owner's children, a slot per kind: one map entry per owner, so an
-/// owner's entry is dropped in one step.
+/// What we know of one owner's children, a slot per kind (see [`Inner::kinds`]): one map
+/// entry per owner, so an owner's entry is dropped in one step.
 #[derive(Debug, Default)]
-struct Children([Option<(&'static str, Known)>; CHILD_KINDS]);
+struct Children([Known; CHILD_KINDS]);
 
 impl Children {
-    fn get(&self, kind: &str) -> Option<&Known> {
-        self.0.iter().flatten().find(|(k, _)| *k == kind).map(|(_, known)| known)
-    }
-
-    fn entry(&mut self, kind: &'static str) -> &mut Known {
-        let slot = match self.0.iter().position(|s| s.is_some_and(|(k, _)| k == kind)) {
-            Some(i) => i,
-            None => {
-                self.0.iter().position(Option::is_none).expect("an owner has at most CHILD_KINDS kinds of children")
-            }
-        };
-        &mut self.0[slot].get_or_insert((kind, Known::UNKNOWN)).1
+    fn is_empty(&self) -> bool {
+        self.0.iter().all(|known| *known == Known::UNKNOWN)
     }
 }
 
@@ -136,13 +135,37 @@ pub struct ChildVersions {
 
 #[derive(Default)]
 struct Inner {
+    /// The kinds of children, in the order of their slots in every entry: each kind takes the
+    /// next slot when first seen, so entries need not name their kinds.
+    kinds: Vec<&'static str>,
     known: HashMap<ObjectKey, Children>,
     /// Owners being written, with the child events that arrived meanwhile.
     writing: HashMap<ObjectKey, Vec<Observed>>,
 }
 
+impl Inner {
+    fn slot(&mut self, kind: &'static str) -> usize {
+        self.kinds.iter().position(|k| *k == kind).unwrap_or_else(|| {
+            assert!(self.kinds.len() < CHILD_KINDS, "an owner has at most CHILD_KINDS kinds of children");
+            self.kinds.push(kind);
+            self.kinds.len() - 1
+        })
+    }
+
+    /// What is known of `owner`'s child of `kind`, created unknown if need be.
+    fn entry(&mut self, owner: &ObjectKey, kind: &'static str) -> &mut Known {
+        let slot = self.slot(kind);
+        &mut self.known.entry(owner.clone()).or_default().0[slot]
+    }
+
+    fn get(&self, owner: &ObjectKey, kind: &str) -> Option<&Known> {
+        let slot = self.kinds.iter().position(|k| *k == kind)?;
+        self.known.get(owner).map(|children| &children.0[slot])
+    }
+}
+
 /// A child event: its kind, [`version`] (`None`: deleted) and stamped content.
-type Observed = (&'static str, Option<u64>, Option<u64>);
+type Observed = (&'static str, Option<Hash>, Option<Hash>);
 
 impl ChildVersions {
     /// Records a version seen by the watch, with the content it is known to hold; true when
@@ -155,6 +178,7 @@ impl ChildVersions {
         content: Option<u64>,
     ) -> bool {
         let resource_version = resource_version.map(version);
+        let content = content.map(hash);
         let mut inner = self.lock();
         if let Some(held) = inner.writing.get_mut(key) {
             held.push((kind, resource_version, content));
@@ -165,7 +189,7 @@ impl ChildVersions {
             // children collected after it) is gone: nothing to remember.
             return true;
         }
-        let entry = inner.known.entry(key.clone()).or_default().entry(kind);
+        let entry = inner.entry(key, kind);
         if entry.resource_version == resource_version && resource_version.is_some() {
             return false;
         }
@@ -178,11 +202,7 @@ impl ChildVersions {
     /// would change nothing.
     pub fn holds(&self, kind: &'static str, key: &ObjectKey, content: u64) -> bool {
         let inner = self.lock();
-        inner
-            .known
-            .get(key)
-            .and_then(|children| children.get(kind))
-            .is_some_and(|k| k.resource_version.is_some() && k.content == Some(content))
+        inner.get(key, kind).is_some_and(|k| k.resource_version.is_some() && k.content == Some(hash(content)))
     }
 
     /// Starts writing the children of `owner`: their events are held until the guard is
@@ -203,7 +223,7 @@ impl ChildVersions {
         let held = inner.writing.remove(owner).unwrap_or_default();
         let mut foreign = false;
         for (kind, resource_version, content) in held {
-            let entry = inner.known.entry(owner.clone()).or_default().entry(kind);
+            let entry = inner.entry(owner, kind);
             if entry.resource_version != resource_version {
                 entry.content = content.filter(|_| resource_version.is_some());
                 entry.resource_version = resource_version;
@@ -226,10 +246,10 @@ impl ChildVersions {
         let now = Known {
             resource_version: Some(resource_version),
             written_for_generation: generation,
-            content: Some(content),
+            content: Some(hash(content)),
         };
         let mut inner = self.lock();
-        let entry = inner.known.entry(key.clone()).or_default().entry(kind);
+        let entry = inner.entry(key, kind);
         let previous = Some(std::mem::replace(entry, now)).filter(|p| *p != Known::UNKNOWN);
         match previous {
             Some(p) if p.resource_version == Some(resource_version) => ApplyEffect::Unchanged,
@@ -248,11 +268,13 @@ impl ChildVersions {
     /// Drops what we know of children of `kind` whose owner `covers` says (their buckets
     /// left the slice), and the entries left with nothing.
     pub fn forget_kind_where(&self, kind: &str, covers: impl Fn(&ObjectKey) -> bool) {
-        self.lock().known.retain(|owner, children| {
+        let mut inner = self.lock();
+        let Some(slot) = inner.kinds.iter().position(|k| *k == kind) else { return };
+        inner.known.retain(|owner, children| {
             if covers(owner) {
-                children.0.iter_mut().filter(|s| s.is_some_and(|(k, _)| k == kind)).for_each(|s| *s = None);
+                children.0[slot] = Known::UNKNOWN;
             }
-            children.0.iter().any(Option::is_some)
+            !children.is_empty()
         });
     }
 
@@ -380,5 +402,10 @@ mod tests {
         assert!(versions.holds("ConfigMap", &dropped, 8), "the other kind's watch has not dropped it yet");
         versions.forget_kind_where("ConfigMap", in_dropped);
         assert_eq!(versions.lock().known.len(), 1, "nothing is left of the dropped owner");
+    }
+
+    #[test]
+    fn an_owner_entry_keeps_its_children_in_64_bytes() {
+        assert_eq!(std::mem::size_of::<Children>(), 64, "two slots of 32 bytes, kinds named once");
     }
 }

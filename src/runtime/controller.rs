@@ -33,7 +33,7 @@ use super::cache::Cache;
 use super::child_versions::{CHILD_KINDS, ChildVersions};
 use super::key::ObjectKey;
 use super::parts::{Buckets, Slice, Slicing};
-use super::predicate::{GenerationPredicate, Sight};
+use super::predicate::Sight;
 use super::queue::{Priority, WorkQueue};
 use super::watch::{Cached, ChildEvent};
 use crate::error::{Error, Result};
@@ -161,26 +161,26 @@ where
         primary: impl Stream<Item = Cached<K>> + Send,
         reconciler: Arc<R>,
     ) {
-        let mut predicate = GenerationPredicate::default();
         // What each part's list under way found; the cache publishes a list only when it
         // completes, so its objects wait here until then: a worker must find what it is handed.
-        let mut listing: HashMap<u64, Vec<Sighting>> = HashMap::new();
+        let mut listing: HashMap<u64, Vec<(ObjectKey, Sight)>> = HashMap::new();
         // Parts that completed a list: a list of one of these again is of the same buckets.
         let mut parts_listed: HashSet<u64> = HashSet::new();
-        let forget = |predicate: &mut GenerationPredicate, gone: Vec<ObjectKey>, lane: Priority| {
+        let forget = |gone: Vec<ObjectKey>, lane: Priority| {
             for key in gone {
-                predicate.forget(&key);
                 reconciler.forget(&key);
                 self.queue.add(key, lane);
             }
         };
         let mut primary = std::pin::pin!(primary);
         while let Some(cached) = primary.next().await {
-            let (part, scope, event, key, backlog, gone) = match cached {
-                Cached::Event { part, scope, event, key, backlog, gone } => (part, scope, event, key, backlog, gone),
+            let (part, scope, event, key, sight, backlog, gone) = match cached {
+                Cached::Event { part, scope, event, key, sight, backlog, gone } => {
+                    (part, scope, event, key, sight, backlog, gone)
+                }
                 Cached::Dropped { scope, gone } => {
                     self.primary_listed.send_modify(|listed| listed_without(listed, scope.buckets()));
-                    forget(&mut predicate, gone, Priority::Low);
+                    forget(gone, Priority::Low);
                     continue;
                 }
                 Cached::Closed { part } => {
@@ -197,10 +197,7 @@ where
                     // The cache's picture of the part is replaced when this list completes.
                     self.primary_listed.send_modify(|listed| listed_without(listed, scope.buckets()));
                 }
-                watcher::Event::InitApply(object) => {
-                    let meta = object.meta();
-                    listing.entry(part).or_default().push((key(), meta.uid.clone(), meta.generation));
-                }
+                watcher::Event::InitApply(_) => listing.entry(part).or_default().push((key(), sight)),
                 watcher::Event::InitDone => {
                     // Real changes go first. The first list, and what a new part of the slice
                     // brings (buckets gained in a handoff), is backlog: it waits behind them, so
@@ -212,17 +209,13 @@ where
                         Some(_) if parts_listed.contains(&part) => List::SameSlice,
                         Some(_) => List::NewSlice,
                     };
-                    for (key, uid, generation) in listing.remove(&part).unwrap_or_default() {
+                    for (key, sight) in listing.remove(&part).unwrap_or_default() {
                         // Buckets the part lost during the list were forgotten meanwhile.
-                        if !scope.covers(key.namespace()) {
-                            continue;
-                        }
-                        match predicate.observe(&key, uid.as_deref(), generation) {
-                            Sight::Same => {}
-                            sight => self.queue.add(key, list.priority_of(sight)),
+                        if sight != Sight::Same && scope.covers(key.namespace()) {
+                            self.queue.add(key, list.priority_of(sight));
                         }
                     }
-                    forget(&mut predicate, gone, Priority::Low);
+                    forget(gone, Priority::Low);
                     parts_listed.insert(part);
                     self.primary_listed.send_modify(|listed| {
                         listed.get_or_insert_default().extend(scope.buckets());
@@ -230,17 +223,14 @@ where
                     self.health.ready(self.settings.name);
                     metrics::set_cache_synced(self.settings.name, true);
                 }
-                watcher::Event::Apply(object) => {
-                    let key = key();
-                    match predicate.observe(&key, object.meta().uid.as_deref(), object.meta().generation) {
-                        Sight::Same => {}
-                        // First seen through a watch event because it was labelled late, from
-                        // a backlog nobody waits on (as after a preload): behind real changes.
-                        Sight::New if backlog => self.queue.add(key, Priority::Low),
-                        _ => self.queue.add(key, Priority::High),
-                    }
-                }
-                watcher::Event::Delete(_) => forget(&mut predicate, vec![key()], Priority::High),
+                watcher::Event::Apply(_) => match sight {
+                    Sight::Same => {}
+                    // First seen through a watch event because it was labelled late, from
+                    // a backlog nobody waits on (as after a preload): behind real changes.
+                    Sight::New if backlog => self.queue.add(key(), Priority::Low),
+                    _ => self.queue.add(key(), Priority::High),
+                },
+                watcher::Event::Delete(_) => forget(vec![key()], Priority::High),
             }
         }
     }
@@ -375,9 +365,6 @@ where
     }
 }
 
-/// An object found by a list: its key, uid and generation.
-type Sighting = (ObjectKey, Option<String>, Option<i64>);
-
 /// `listed` without `buckets` (being listed again, or out of the slice).
 fn listed_without(listed: &mut Option<Buckets>, buckets: &Buckets) {
     if let Some(listed) = listed {
@@ -471,8 +458,9 @@ mod tests {
         let primary: Vec<_> = events
             .into_iter()
             .map(|event| {
-                let (key, gone) = writer.apply(0, &scope, &event);
-                Cached::Event { part: 0, scope: scope.clone(), event, key, backlog: false, gone }
+                let applied = writer.apply(0, &scope, &event);
+                let (key, sight, gone) = (applied.key, applied.sight, applied.gone);
+                Cached::Event { part: 0, scope: scope.clone(), event, key, sight, backlog: false, gone }
             })
             .collect();
         let primary = futures::stream::iter(primary).chain(futures::stream::pending());

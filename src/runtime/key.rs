@@ -1,6 +1,6 @@
 //! The work-queue key: a namespaced object's namespace and name.
 //!
-//! The cache, the predicate, the queue and the child versions each hold a key per policy, so
+//! The cache, the queue and the child versions each hold a key per policy, so
 //! a key is small: `namespace/name` in one shared allocation, whose clones cost a reference
 //! count.
 

@@ -13,10 +13,11 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
-use super::cache::CacheWriter;
+use super::cache::{Applied, CacheWriter};
 use super::child_versions::stamped_content;
 use super::key::ObjectKey;
 use super::parts::{Scope, SliceEvent};
+use super::predicate::Sight;
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
@@ -50,6 +51,8 @@ pub enum Cached<K> {
         event: watcher::Event<K>,
         /// The cache's key for the event's object: whoever keeps a key shares the cache's.
         key: Option<ObjectKey>,
+        /// How the object differs from what the cache held (the generation predicate).
+        sight: Sight,
         /// Whether the object was labelled from the leader's backlog (see [`super::controller`]).
         backlog: bool,
         /// What the cache let go of: at the end of a list, the objects of `scope` it did not find.
@@ -78,8 +81,8 @@ where
         SliceEvent::Part { part, scope, event } => {
             let backlog = matches!(&event, watcher::Event::Apply(object) if is_backlog(object));
             let event = event.modify(trim);
-            let (key, gone) = writer.apply(part, &scope, &event);
-            Cached::Event { part, scope, event, key, backlog, gone }
+            let Applied { key, sight, gone } = writer.apply(part, &scope, &event);
+            Cached::Event { part, scope, event, key, sight, backlog, gone }
         }
         SliceEvent::Dropped(scope) => {
             let gone = writer.drop_scope(&scope);
