@@ -21,7 +21,7 @@ use crate::api::ApplicationTrafficPolicy;
 use crate::cli::RunArgs;
 use crate::client::Clients;
 use crate::coordination::follower::{AssignmentView, Follower, slice_selector};
-use crate::coordination::gate::Sharded;
+use crate::coordination::gate::{Sharded, bucket_of_meta};
 use crate::coordination::leader::Leader;
 use crate::coordination::lease::MemberLease;
 use crate::coordination::load::LoadReport;
@@ -119,7 +119,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // The controller: watches of our slice only, filtered by the API server.
     let (cache, writer) = crate::runtime::cache::new();
     tokio::spawn(report_policies(cache.clone()));
-    let slicing = Slicing::new(move |namespace| mode.bucket_of(namespace), move |b| slice_selector(mode, b));
+    // Objects fall into buckets as the API server's filter sees them, as the write gate does.
+    let slicing = Slicing::new(
+        move |meta| bucket_of_meta(meta, mode),
+        move |namespace| mode.bucket_of(namespace),
+        move |buckets| slice_selector(mode, buckets),
+    );
     let policies = parts::watch(api(&client, &args), None, slice.clone(), slicing.clone());
     let primary =
         watch::primary(policies, crate::reconcile::trim_for_cache, crate::reconcile::labelled_from_backlog, writer);

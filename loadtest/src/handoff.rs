@@ -19,7 +19,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
 use traffic_policy_operator::coordination::follower::decode;
-use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
+use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
 use crate::run::{Args, OPERATOR_NAMESPACE, Replica, Tracker, Watched, edit_and_wait, edit_percentiles, start_replica};
@@ -98,42 +98,21 @@ async fn server_listed(client: &Client) -> anyhow::Result<f64> {
         .sum())
 }
 
-/// The pod that owns each bucket (`None`: free or draining).
-fn owners(assignment: &Assignment) -> Vec<Option<&str>> {
-    assignment
-        .slots
-        .iter()
-        .map(|slot| match slot {
-            Slot::Owned { member, .. } => Some(pod_of(member)),
-            _ => None,
-        })
-        .collect()
-}
-
 /// What a handoff cost, from the replicas' counts before and after it and the assignments
 /// published from its start to its end.
 fn cost(args: &Args, before: &Counts, after: &Counts, history: &[Assignment], server_listed: f64) -> serde_json::Value {
     let created = crate::balance::created_per_namespace(args);
     let (Some(first), Some(last)) = (history.first(), history.last()) else { return serde_json::Value::Null };
     let per_bucket = crate::balance::by_bucket(&created, first);
-    let policies = |bucket: usize| f64::from(per_bucket.get(&(bucket as u16)).copied().unwrap_or(0));
+    let policies = |bucket: u16| f64::from(per_bucket.get(&bucket).copied().unwrap_or(0));
     // Each replica gains a bucket whenever an assignment gives it one that the previous did not.
     let mut gained: BTreeMap<&str, f64> = BTreeMap::new();
     for pair in history.windows(2) {
-        let (was, now) = (owners(&pair[0]), owners(&pair[1]));
-        for (bucket, (was, now)) in was.iter().zip(&now).enumerate() {
-            if let Some(now) = now.filter(|now| *was != Some(*now)) {
-                *gained.entry(now).or_default() += policies(bucket);
-            }
+        for (member, bucket) in pair[1].gained_since(&pair[0]) {
+            *gained.entry(pod_of(member)).or_default() += policies(bucket);
         }
     }
-    let net_moved: f64 = owners(first)
-        .iter()
-        .zip(owners(last))
-        .enumerate()
-        .filter(|(_, (was, now))| **was != *now)
-        .map(|(bucket, _)| policies(bucket))
-        .sum();
+    let net_moved: f64 = last.gained_since(first).into_iter().map(|(_, bucket)| policies(bucket)).sum();
     let replicas: Vec<serde_json::Value> = after
         .iter()
         .map(|(name, listed, cached)| {

@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::{Resource, ResourceExt};
+use kube::Resource;
+use kube::api::ObjectMeta;
 use tokio::time::Instant;
 
 use super::ownership::{InFlight, Ownership};
@@ -21,10 +22,15 @@ use crate::telemetry::audit::Audit;
 /// cache trim when it differs), or else its namespace's bucket. With the shard selector:
 /// its namespace's bucket, as the API server computes it; labels play no part.
 pub fn bucket_of_object<K: Resource>(object: &K, mode: Mode) -> Option<Bucket> {
-    let namespace = object.namespace().unwrap_or_default();
-    match (mode, object.labels().get(BUCKET_LABEL)) {
+    bucket_of_meta(object.meta(), mode)
+}
+
+/// [`bucket_of_object`], from an object's metadata.
+pub fn bucket_of_meta(meta: &ObjectMeta, mode: Mode) -> Option<Bucket> {
+    let namespace = meta.namespace.as_deref().unwrap_or_default();
+    match (mode, meta.labels.as_ref().and_then(|labels| labels.get(BUCKET_LABEL))) {
         (Mode::Labels, Some(label)) => bucket::parse_label(label),
-        _ => Some(mode.bucket_of(&namespace)),
+        _ => Some(mode.bucket_of(namespace)),
     }
 }
 

@@ -124,11 +124,12 @@ impl<K: Resource + Clone> CacheWriter<K> {
             watcher::Event::InitDone => {
                 let Some(mut listed) = self.listing.remove(&part) else { return Applied::nothing() };
                 // Buckets the part lost during the list are no longer its to fill.
-                listed.retain(|key, _| scope.covers(key.namespace()));
+                listed.retain(|_, object| scope.covers(object.meta()));
                 let removed = {
                     let mut objects = self.cache.write();
-                    let gone =
-                        take_where(&mut objects, |key| scope.covers(key.namespace()) && !listed.contains_key(key));
+                    let gone = take_where(&mut objects, |key, object| {
+                        scope.covers(object.meta()) && !listed.contains_key(key)
+                    });
                     objects.extend(listed);
                     gone
                 };
@@ -158,7 +159,7 @@ impl<K: Resource + Clone> CacheWriter<K> {
 
     /// `scope` left the slice: lets go of its objects, and returns their keys.
     pub fn drop_scope(&mut self, scope: &Scope) -> Vec<ObjectKey> {
-        let removed = take_where(&mut self.cache.write(), |key| scope.covers(key.namespace()));
+        let removed = take_where(&mut self.cache.write(), |_, object| scope.covers(object.meta()));
         removed.into_iter().map(|(key, _)| key).collect()
     }
 
@@ -168,8 +169,9 @@ impl<K: Resource + Clone> CacheWriter<K> {
     }
 }
 
-fn take_where<K>(objects: &mut Objects<K>, take: impl Fn(&ObjectKey) -> bool) -> Vec<(ObjectKey, Arc<K>)> {
-    let keys: Vec<ObjectKey> = objects.keys().filter(|key| take(key)).cloned().collect();
+fn take_where<K>(objects: &mut Objects<K>, take: impl Fn(&ObjectKey, &K) -> bool) -> Vec<(ObjectKey, Arc<K>)> {
+    let keys: Vec<ObjectKey> =
+        objects.iter().filter(|(key, object)| take(key, object)).map(|(key, _)| key.clone()).collect();
     keys.into_iter().filter_map(|key| objects.remove_entry(&key)).collect()
 }
 
@@ -282,7 +284,12 @@ mod tests {
     #[test]
     fn a_part_replaces_only_its_scope_and_a_dropped_scope_is_let_go() {
         use std::collections::BTreeSet;
-        let slicing = crate::runtime::parts::Slicing::new(|ns| if ns == "a" { 1 } else { 2 }, |_| None);
+        let in_bucket = |ns: &str| if ns == "a" { 1 } else { 2 };
+        let slicing = crate::runtime::parts::Slicing::new(
+            move |meta| meta.namespace.as_deref().map(in_bucket),
+            in_bucket,
+            |_| None,
+        );
         let scope = |bucket: u16| slicing.scope(Arc::new(BTreeSet::from([bucket])));
         let (a, b) = (scope(1), scope(2));
         let in_ns = |ns: &str, name: &str| {

@@ -128,14 +128,15 @@ where
         let workers: Vec<_> = (0..this.settings.workers)
             .map(|_| {
                 let (slice, slicing) = (slice.clone(), slicing.clone());
-                // A bucket not in the slice (any more) has nothing to wait for: the write
-                // gate skips its objects.
-                let children_listed = move |key: &ObjectKey, listed: &BTreeMap<_, Buckets>| {
-                    let bucket = slicing.bucket_of(key.namespace());
+                // The object's bucket as the API server's filter sees it. An object no longer
+                // cached, or whose bucket is not in the slice (any more), has nothing to wait
+                // for: the worker finds it gone, or the write gate skips it.
+                let children_listed = move |object: Option<&K>, listed: &BTreeMap<_, Buckets>| {
+                    let Some(bucket) = object.and_then(|o| slicing.bucket_of(o.meta())) else { return true };
                     let listed = listed.len() == child_kinds && listed.values().all(|b| b.contains(&bucket));
                     listed || !slice.borrow().as_ref().is_some_and(|owned| owned.contains(&bucket))
                 };
-                tokio::spawn(this.clone().work(reconciler.clone(), children_listed))
+                tokio::spawn(this.clone().work(reconciler.clone(), children_listed, shutdown.clone()))
             })
             .collect();
 
@@ -163,7 +164,7 @@ where
     ) {
         // What each part's list under way found; the cache publishes a list only when it
         // completes, so its objects wait here until then: a worker must find what it is handed.
-        let mut listing: HashMap<u64, Vec<(ObjectKey, Sight)>> = HashMap::new();
+        let mut listing: HashMap<u64, Vec<Found>> = HashMap::new();
         // Parts that completed a list: a list of one of these again is of the same buckets.
         let mut parts_listed: HashSet<u64> = HashSet::new();
         let forget = |gone: Vec<ObjectKey>, lane: Priority| {
@@ -197,7 +198,10 @@ where
                     // The cache's picture of the part is replaced when this list completes.
                     self.primary_listed.send_modify(|listed| listed_without(listed, scope.buckets()));
                 }
-                watcher::Event::InitApply(_) => listing.entry(part).or_default().push((key(), sight)),
+                watcher::Event::InitApply(object) => {
+                    let bucket = scope.bucket_of(object.meta());
+                    listing.entry(part).or_default().push(Found { key: key(), sight, bucket });
+                }
                 watcher::Event::InitDone => {
                     // Real changes go first. The first list, and what a new part of the slice
                     // brings (buckets gained in a handoff), is backlog: it waits behind them, so
@@ -209,9 +213,9 @@ where
                         Some(_) if parts_listed.contains(&part) => List::SameSlice,
                         Some(_) => List::NewSlice,
                     };
-                    for (key, sight) in listing.remove(&part).unwrap_or_default() {
+                    for Found { key, sight, bucket } in listing.remove(&part).unwrap_or_default() {
                         // Buckets the part lost during the list were forgotten meanwhile.
-                        if sight != Sight::Same && scope.covers(key.namespace()) {
+                        if sight != Sight::Same && bucket.is_some_and(|b| scope.buckets().contains(&b)) {
                             self.queue.add(key, list.priority_of(sight));
                         }
                     }
@@ -258,7 +262,7 @@ where
                     self.health.ready(kind);
                 }
                 ChildEvent::Dropped { kind, scope } => {
-                    versions.forget_kind_where(kind, |owner| scope.covers(owner.namespace()));
+                    versions.forget_kind_where(kind, |owner| scope.covers_namespace(owner.namespace()));
                     self.children_listed.send_modify(|listed| {
                         listed.entry(kind).or_default().retain(|b| !scope.buckets().contains(b));
                     });
@@ -288,12 +292,21 @@ where
     async fn work<R: Reconciler<K>>(
         self: Arc<Self>,
         reconciler: Arc<R>,
-        children_listed: impl Fn(&ObjectKey, &BTreeMap<&'static str, Buckets>) -> bool,
+        children_listed: impl Fn(Option<&K>, &BTreeMap<&'static str, Buckets>) -> bool,
+        shutdown: CancellationToken,
     ) {
         let mut listed = self.children_listed.subscribe();
         while let Some(key) = self.queue.get().await {
-            // The sender lives as long as `self`, so this cannot fail.
-            let _ = listed.wait_for(|listed| children_listed(&key, listed)).await;
+            let object = self.cache.get(&key);
+            tokio::select! {
+                // The sender lives as long as `self`, so this cannot fail.
+                _ = listed.wait_for(|listed| children_listed(object.as_deref(), listed)) => {}
+                // A list that never completes must not hold up the drain.
+                _ = shutdown.cancelled() => {
+                    self.queue.done(&key);
+                    return;
+                }
+            }
             self.metrics.active_workers(1.0);
             self.process(&key, reconciler.as_ref()).await;
             self.queue.done(&key);
@@ -363,6 +376,13 @@ where
             }
         }
     }
+}
+
+/// An object found by a list under way, waiting for the list to complete.
+struct Found {
+    key: ObjectKey,
+    sight: Sight,
+    bucket: Option<u16>,
 }
 
 /// `listed` without `buckets` (being listed again, or out of the slice).
@@ -478,7 +498,7 @@ mod tests {
         let children = Vec::new();
         let versions = Arc::new(ChildVersions::default());
         let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([0])));
-        let slicing = Slicing::new(|_| 0, |_| None);
+        let slicing = Slicing::new(|_| Some(0), |_| 0, |_| None);
         let sharding = (slice, slicing);
         let run =
             tokio::spawn(controller.run(primary, children, sharding, versions, reconciler.clone(), shutdown.clone()));

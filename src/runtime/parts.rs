@@ -18,9 +18,9 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use futures::stream::{AbortHandle, Abortable, BoxStream, SelectAll};
-use kube::api::Api;
+use kube::Resource;
+use kube::api::{Api, ObjectMeta};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use super::watch::SliceSelector;
@@ -35,26 +35,36 @@ pub type Buckets = BTreeSet<u16>;
 /// The buckets this replica owns, `None` until it knows.
 pub type Slice = tokio::sync::watch::Receiver<Option<Buckets>>;
 
-/// How objects fall into buckets (by namespace), and how a watch asks the API server for
-/// some buckets.
+/// How objects fall into buckets, and how a watch asks the API server for some buckets.
 #[derive(Clone)]
 pub struct Slicing {
-    bucket_of: Arc<dyn Fn(&str) -> u16 + Send + Sync>,
+    bucket_of: Arc<BucketOf>,
+    namespace_bucket: Arc<dyn Fn(&str) -> u16 + Send + Sync>,
     selector: Arc<SelectorOf>,
 }
 
+type BucketOf = dyn Fn(&ObjectMeta) -> Option<u16> + Send + Sync;
 type SelectorOf = dyn Fn(&Buckets) -> Option<SliceSelector> + Send + Sync;
 
 impl Slicing {
+    /// `bucket_of` must say what the API server's filter says (in label mode, a hand-set
+    /// bucket label wins over the namespace); `namespace_bucket` is the bucket a namespace's
+    /// objects fall in without such a label.
     pub fn new(
-        bucket_of: impl Fn(&str) -> u16 + Send + Sync + 'static,
+        bucket_of: impl Fn(&ObjectMeta) -> Option<u16> + Send + Sync + 'static,
+        namespace_bucket: impl Fn(&str) -> u16 + Send + Sync + 'static,
         selector: impl Fn(&Buckets) -> Option<SliceSelector> + Send + Sync + 'static,
     ) -> Self {
-        Self { bucket_of: Arc::new(bucket_of), selector: Arc::new(selector) }
+        Self {
+            bucket_of: Arc::new(bucket_of),
+            namespace_bucket: Arc::new(namespace_bucket),
+            selector: Arc::new(selector),
+        }
     }
 
-    pub fn bucket_of(&self, namespace: &str) -> u16 {
-        (self.bucket_of)(namespace)
+    /// The bucket of an object (`None`: it is in none, e.g. a malformed bucket label).
+    pub fn bucket_of(&self, meta: &ObjectMeta) -> Option<u16> {
+        (self.bucket_of)(meta)
     }
 
     pub fn scope(&self, buckets: Arc<Buckets>) -> Scope {
@@ -62,7 +72,7 @@ impl Slicing {
     }
 }
 
-/// The namespaces a part of the slice covers.
+/// The buckets a part of the slice covers.
 #[derive(Clone)]
 pub struct Scope {
     buckets: Arc<Buckets>,
@@ -72,11 +82,22 @@ pub struct Scope {
 impl Scope {
     /// One bucket that holds every namespace: for tools and tests that watch unsharded.
     pub fn everything() -> Self {
-        Slicing::new(|_| 0, |_| None).scope(Arc::new(Buckets::from([0])))
+        Slicing::new(|_| Some(0), |_| 0, |_| None).scope(Arc::new(Buckets::from([0])))
     }
 
-    pub fn covers(&self, namespace: &str) -> bool {
-        self.buckets.contains(&self.slicing.bucket_of(namespace))
+    pub fn covers(&self, meta: &ObjectMeta) -> bool {
+        self.slicing.bucket_of(meta).is_some_and(|bucket| self.buckets.contains(&bucket))
+    }
+
+    /// The bucket of an object, as the scope's slicing says.
+    pub fn bucket_of(&self, meta: &ObjectMeta) -> Option<u16> {
+        self.slicing.bucket_of(meta)
+    }
+
+    /// Whether the scope covers `namespace`'s bucket: for what is known by key only (the
+    /// children of an owner), where a hand-set bucket label cannot be seen.
+    pub fn covers_namespace(&self, namespace: &str) -> bool {
+        self.buckets.contains(&(self.slicing.namespace_bucket)(namespace))
     }
 
     pub fn buckets(&self) -> &Buckets {
@@ -267,7 +288,7 @@ where
                 if matches!(event, watcher::Event::InitApply(_)) {
                     metrics::count_listed(&kind);
                 }
-                if !scope.covers(&object.namespace().unwrap_or_default()) {
+                if !scope.covers(object.meta()) {
                     return None;
                 }
             }
@@ -309,8 +330,10 @@ mod tests {
 
     /// A slicing where namespace `ns-N` is in bucket N, and the selector names the buckets.
     fn slicing() -> Slicing {
+        let namespace_bucket = |ns: &str| ns.trim_start_matches("ns-").parse().unwrap();
         Slicing::new(
-            |ns| ns.trim_start_matches("ns-").parse().unwrap(),
+            move |meta| meta.namespace.as_deref().map(namespace_bucket),
+            namespace_bucket,
             |buckets| {
                 let names: Vec<String> = buckets.iter().map(u16::to_string).collect();
                 (!buckets.is_empty()).then(|| SliceSelector::Labels(names.join(",")))
@@ -400,5 +423,32 @@ mod tests {
         assert_eq!(closed, MAX_PARTS, "{seen:?}");
         assert_eq!(seen.last().unwrap(), &format!("{MAX_PARTS}: listed {owned:?}"));
         assert_eq!(opened.lock().unwrap().last().unwrap(), "1,2,3,4,5,6,7,8,100");
+    }
+
+    #[tokio::test]
+    async fn an_object_is_in_the_part_of_its_bucket_as_the_server_filters_it() {
+        // As in label mode: a bucket label set by hand wins over the namespace.
+        let by_label = |meta: &ObjectMeta| {
+            let label = meta.labels.as_ref().and_then(|labels| labels.get("bucket"));
+            label.map(|b| b.parse().unwrap()).or_else(|| slicing().bucket_of(meta))
+        };
+        let labelled = |namespace: &str, bucket: &str| {
+            let mut object = in_bucket(namespace);
+            object.metadata.labels = Some([("bucket".to_string(), bucket.to_string())].into());
+            object
+        };
+        let objects = vec![labelled("5", "1"), labelled("1", "5")];
+        let open: Opener<ConfigMap> = Box::new(move |_| {
+            let list = [watcher::Event::Init]
+                .into_iter()
+                .chain(objects.iter().cloned().map(watcher::Event::InitApply))
+                .chain([watcher::Event::InitDone]);
+            futures::stream::iter(list.map(Ok).collect::<Vec<_>>()).chain(futures::stream::pending()).boxed()
+        });
+        let slicing = Slicing::new(by_label, |ns| ns.trim_start_matches("ns-").parse().unwrap(), |_| None);
+        let (slice_tx, slice) = tokio::sync::watch::channel(None);
+        let mut events = sliced(slice, slicing, open);
+        slice_tx.send_replace(Some(Buckets::from([1])));
+        assert_eq!(until_listed(&mut events).await, ["0: ns-5", "0: listed {1}"]);
     }
 }

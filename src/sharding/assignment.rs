@@ -102,6 +102,18 @@ impl Assignment {
             .collect()
     }
 
+    /// The buckets this assignment gives a member that `before` did not give it: what each
+    /// member gains, and lists, in the step from `before` to this one.
+    pub fn gained_since<'a>(&'a self, before: &Assignment) -> Vec<(&'a str, Bucket)> {
+        (0..BUCKETS)
+            .zip(self.slots.iter().zip(&before.slots))
+            .filter_map(|(bucket, (now, was))| {
+                let owner = now.owner()?;
+                (was.owner() != Some(owner)).then_some((owner, bucket))
+            })
+            .collect()
+    }
+
     /// Buckets that nobody in `alive` works on.
     pub fn unowned(&self, alive: &BTreeSet<String>) -> usize {
         self.slots.iter().filter(|slot| !matches!(slot, Slot::Owned { member, .. } if alive.contains(member))).count()
@@ -440,5 +452,20 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_member_gains_what_it_owns_now_and_did_not_before() {
+        let owned = |member: &str| Slot::Owned { member: member.into(), epoch: 1 };
+        let mut before = Assignment::default();
+        before.slots[0] = owned("a");
+        before.slots[1] = owned("a");
+        before.slots[2] = Slot::Draining { from: "b".into(), since: 1 };
+        let mut after = before.clone();
+        after.slots[1] = owned("b");
+        after.slots[2] = owned("b");
+        after.slots[3] = owned("c");
+        assert_eq!(after.gained_since(&before), [("b", 1), ("b", 2), ("c", 3)]);
+        assert!(before.gained_since(&before).is_empty());
     }
 }

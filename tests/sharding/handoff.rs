@@ -1,76 +1,95 @@
 //! A handoff lists only what it moves (docs/sharding.md, "Watching in parts"): each replica's
 //! lists bring exactly the policies of the buckets it gained, never its whole slice again.
 //! Counted by each replica's `traffic_policy_listed_objects_total`; what each gained comes
-//! from the published assignments before and after.
+//! from every assignment the leader published meanwhile, read from a watch (a bucket may
+//! pass through a replica that stays on the way to its final owner).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
+use kube::runtime::{WatchStreamExt, watcher};
 use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
-use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
+use traffic_policy_operator::coordination::follower::decode;
+use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
 use crate::SERIAL;
 use crate::common::{eventually, expected_mode};
 use crate::fleet::{Fleet, PER_NAMESPACE};
 
-/// One replica at a settled moment.
-#[derive(Debug)]
-struct Held {
-    /// Policies its lists brought so far.
-    listed: f64,
-    /// Policies it caches.
-    cached: f64,
-    buckets: BTreeSet<u16>,
+/// Every assignment published while the returned task runs, in order.
+fn record_assignments(fleet: &Fleet) -> (Arc<Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
+    let seen = Arc::new(Mutex::new(Vec::<Assignment>::new()));
+    let config = watcher::Config::default().fields(&format!("metadata.name={ASSIGNMENT_CONFIGMAP}"));
+    let events = watcher(fleet.env.api::<ConfigMap>(), config).default_backoff().applied_objects();
+    let task = tokio::spawn({
+        let seen = seen.clone();
+        async move {
+            let mut events = std::pin::pin!(events);
+            while let Some(event) = events.next().await {
+                if let Some((assignment, _)) = event.ok().as_ref().and_then(decode) {
+                    let mut seen = seen.lock().unwrap();
+                    if seen.last().is_none_or(|last| last.generation < assignment.generation) {
+                        seen.push(assignment);
+                    }
+                }
+            }
+        }
+    });
+    (seen, task)
 }
 
-/// Every replica, once the assignment has settled and every cache holds its share.
-async fn settled(fleet: &Fleet, what: &str) -> BTreeMap<String, Held> {
+/// Once the assignment has settled and every cache holds its share: per replica, the
+/// policies its lists brought so far; and how many assignments were recorded by then.
+async fn settled(fleet: &Fleet, recorded: &Mutex<Vec<Assignment>>, what: &str) -> (BTreeMap<String, f64>, usize) {
     fleet.balanced().await;
     let total = fleet.total() as f64;
     let configmaps = fleet.env.api::<ConfigMap>();
     eventually(&format!("the replicas' caches hold every policy once after {what}"), || async {
         let published = configmaps.get_opt(ASSIGNMENT_CONFIGMAP).await.ok()??;
-        let assignment = Assignment::decode(&published.data?).ok()?;
-        let held: BTreeMap<String, Held> = fleet
-            .replicas
-            .iter()
-            .map(|(name, r)| {
-                let buckets = (0..)
-                    .zip(&assignment.slots)
-                    .filter(|(_, slot)| matches!(slot, Slot::Owned { member, .. } if pod_of(member) == name))
-                    .map(|(b, _)| b)
-                    .collect();
-                let listed = r.metric("traffic_policy_listed_objects_total", Some("ApplicationTrafficPolicy"));
-                (name.clone(), Held { listed, cached: r.metric("traffic_policy_cached_objects", None), buckets })
-            })
-            .collect();
+        let generation = Assignment::decode(&published.data?).ok()?.generation;
+        let recorded = recorded.lock().unwrap().iter().rposition(|a| a.generation == generation)? + 1;
+        let mut listed = BTreeMap::new();
+        let mut cached = Vec::new();
+        for (name, r) in &fleet.replicas {
+            let policies = r.metric("traffic_policy_listed_objects_total", Some("ApplicationTrafficPolicy"));
+            listed.insert(name.clone(), policies);
+            cached.push(r.metric("traffic_policy_cached_objects", None));
+        }
         // The gauge is updated every few seconds: a replica that shows none has not counted yet,
         // and one that shows what it held before the handoff makes the sum differ.
-        let all_counted = held.values().all(|h| h.cached > 0.0);
-        (all_counted && held.values().map(|h| h.cached).sum::<f64>() == total).then_some(held)
+        let all_counted = cached.iter().all(|c| *c > 0.0);
+        (all_counted && cached.iter().sum::<f64>() == total).then_some((listed, recorded))
     })
     .await
 }
 
-/// Per replica: (policies listed, policies in the buckets it gained) from `before` to `after`.
+/// Per replica: (policies listed, policies of the buckets it gained in each step of
+/// `history`) between two settled moments.
 fn listed_and_gained(
     fleet: &Fleet,
-    before: &BTreeMap<String, Held>,
-    after: &BTreeMap<String, Held>,
+    before: &BTreeMap<String, f64>,
+    after: &BTreeMap<String, f64>,
+    history: &[Assignment],
 ) -> Vec<(String, f64, f64)> {
     let mode = expected_mode();
     let per_bucket = |bucket: u16| {
         let namespaces = fleet.namespaces.iter().filter(|ns| mode.bucket_of(ns) == bucket).count();
         (namespaces * PER_NAMESPACE) as f64
     };
+    let mut gained: BTreeMap<&str, f64> = BTreeMap::new();
+    for step in history.windows(2) {
+        for (member, bucket) in step[1].gained_since(&step[0]) {
+            *gained.entry(pod_of(member)).or_default() += per_bucket(bucket);
+        }
+    }
     after
         .iter()
-        .map(|(name, now)| {
-            let (listed_before, buckets_before) =
-                before.get(name).map_or((0.0, BTreeSet::new()), |h| (h.listed, h.buckets.clone()));
-            let gained = now.buckets.difference(&buckets_before).map(|b| per_bucket(*b)).sum();
-            (name.clone(), now.listed - listed_before, gained)
+        .map(|(name, listed)| {
+            let listed = listed - before.get(name).copied().unwrap_or_default();
+            (name.clone(), listed, gained.get(name.as_str()).copied().unwrap_or_default())
         })
         .collect()
 }
@@ -83,26 +102,29 @@ async fn a_handoff_lists_only_the_policies_it_moves() {
         fleet.start(name).await;
     }
     fleet.converged("the initial creation").await;
-    let two = settled(&fleet, "two replicas").await;
+    let (recorded, recorder) = record_assignments(&fleet);
+    let (two, at_two) = settled(&fleet, &recorded, "two replicas").await;
     fleet.start("r-2").await;
-    let three = settled(&fleet, "scaling to 3").await;
+    let (three, at_three) = settled(&fleet, &recorded, "scaling to 3").await;
     fleet.terminate("r-2");
-    let back = settled(&fleet, "scaling back to 2").await;
+    let (back, at_back) = settled(&fleet, &recorded, "scaling back to 2").await;
+    recorder.abort();
+    let history = recorded.lock().unwrap().clone();
 
     let mut summary = Vec::new();
-    for (what, before, after) in [("2 → 3", &two, &three), ("3 → 2", &three, &back)] {
-        let moved = listed_and_gained(&fleet, before, after);
+    let steps = [("2 → 3", &two, &three, at_two, at_three), ("3 → 2", &three, &back, at_three, at_back)];
+    for (what, before, after, from, to) in steps {
+        // From the last assignment before the step to the one it settled at.
+        let moved = listed_and_gained(&fleet, before, after, &history[from - 1..to]);
         for (name, listed, gained) in &moved {
-            assert_eq!(
-                listed, gained,
-                "{what}: {name} listed other policies than those it gained: {before:?} → {after:?}"
-            );
+            assert_eq!(listed, gained, "{what}: {name} listed other policies than those it gained: {moved:?}");
         }
         let listed: f64 = moved.iter().map(|(_, listed, _)| listed).sum();
         assert!(listed > 0.0, "{what}: nothing moved");
         let each: Vec<String> = moved.iter().map(|(name, listed, _)| format!("{name} {listed}")).collect();
         summary.push(format!(
-            "{what}: {listed} policies listed, each by the replica that gained it ({})",
+            "{what}: {listed} policies listed in {} assignments, each by the replica that gained it ({})",
+            to - from,
             each.join(", ")
         ));
     }
