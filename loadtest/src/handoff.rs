@@ -15,10 +15,8 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
-use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
-use traffic_policy_operator::coordination::follower::decode;
+use traffic_policy_operator::coordination::follower::published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
@@ -67,21 +65,13 @@ async fn settled(client: &Client, args: &Args, replicas: &[Replica], what: &str)
 /// Every assignment published while the watch runs, in order.
 fn record_assignments(client: &Client) -> (Arc<Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
     let seen = Arc::new(Mutex::new(Vec::<Assignment>::new()));
-    let api = Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE);
-    let config = watcher::Config::default().fields(&format!("metadata.name={ASSIGNMENT_CONFIGMAP}"));
+    let assignments = published(Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE));
     let task = tokio::spawn({
         let seen = seen.clone();
-        async move {
-            let mut events = watcher(api, config).default_backoff().applied_objects().boxed();
-            while let Some(event) = events.next().await {
-                if let Some((assignment, _)) = event.ok().as_ref().and_then(decode) {
-                    let mut seen = seen.lock().unwrap();
-                    if seen.last().is_none_or(|last| last.generation < assignment.generation) {
-                        seen.push(assignment);
-                    }
-                }
-            }
-        }
+        assignments.for_each(move |assignment| {
+            seen.lock().unwrap().push(assignment);
+            std::future::ready(())
+        })
     });
     (seen, task)
 }

@@ -89,6 +89,20 @@ impl AssignmentView {
     }
 }
 
+/// Every assignment published in `configmaps` from now on, newer generations only (for tools
+/// and tests that follow the leader's steps).
+pub fn published(configmaps: Api<ConfigMap>) -> impl futures::Stream<Item = Assignment> + Send {
+    let config = watcher::Config::default().fields(&format!("metadata.name={ASSIGNMENT_CONFIGMAP}"));
+    let mut last = 0;
+    watcher(configmaps, config).default_backoff().applied_objects().filter_map(move |event| {
+        let newer = event.ok().as_ref().and_then(decode).map(|(a, _)| a).filter(|a| a.generation > last);
+        if let Some(assignment) = &newer {
+            last = assignment.generation;
+        }
+        std::future::ready(newer)
+    })
+}
+
 pub fn decode(cm: &ConfigMap) -> Option<(Assignment, String)> {
     let data = cm.data.as_ref()?;
     match Assignment::decode(data) {

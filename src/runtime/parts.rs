@@ -437,7 +437,7 @@ mod tests {
             object.metadata.labels = Some([("bucket".to_string(), bucket.to_string())].into());
             object
         };
-        let objects = vec![labelled("5", "1"), labelled("1", "5")];
+        let objects = [labelled("5", "1"), labelled("1", "5")];
         let open: Opener<ConfigMap> = Box::new(move |_| {
             let list = [watcher::Event::Init]
                 .into_iter()

@@ -9,9 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::runtime::{WatchStreamExt, watcher};
 use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
-use traffic_policy_operator::coordination::follower::decode;
+use traffic_policy_operator::coordination::follower::published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
@@ -22,21 +21,13 @@ use crate::fleet::{Fleet, PER_NAMESPACE};
 /// Every assignment published while the returned task runs, in order.
 fn record_assignments(fleet: &Fleet) -> (Arc<Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
     let seen = Arc::new(Mutex::new(Vec::<Assignment>::new()));
-    let config = watcher::Config::default().fields(&format!("metadata.name={ASSIGNMENT_CONFIGMAP}"));
-    let events = watcher(fleet.env.api::<ConfigMap>(), config).default_backoff().applied_objects();
+    let assignments = published(fleet.env.api::<ConfigMap>());
     let task = tokio::spawn({
         let seen = seen.clone();
-        async move {
-            let mut events = std::pin::pin!(events);
-            while let Some(event) = events.next().await {
-                if let Some((assignment, _)) = event.ok().as_ref().and_then(decode) {
-                    let mut seen = seen.lock().unwrap();
-                    if seen.last().is_none_or(|last| last.generation < assignment.generation) {
-                        seen.push(assignment);
-                    }
-                }
-            }
-        }
+        assignments.for_each(move |assignment| {
+            seen.lock().unwrap().push(assignment);
+            std::future::ready(())
+        })
     });
     (seen, task)
 }
