@@ -14,7 +14,7 @@
 //! written ([`ChildVersions::begin_write`] … [`ChildVersions::end_write`]), events for its
 //! children are held, and compared with what we wrote once the writes are done.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU64;
 use std::sync::Mutex;
 
@@ -91,6 +91,11 @@ impl Children {
         self.0.iter().all(|known| *known == Known::UNKNOWN)
     }
 }
+
+/// What was known of one kind of children when a list of them began (see
+/// [`ChildVersions::missing_from_list`]).
+#[derive(Debug, Default)]
+pub struct KnownBefore(HashMap<ObjectKey, Hash>);
 
 /// What an apply did to a child.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -278,6 +283,44 @@ impl ChildVersions {
         });
     }
 
+    /// What is known now of the `kind` children of the owners `covers` says: taken when a
+    /// list of them begins.
+    pub fn known_where(&self, kind: &str, covers: impl Fn(&ObjectKey) -> bool) -> KnownBefore {
+        let inner = self.lock();
+        let Some(slot) = inner.kinds.iter().position(|k| *k == kind) else { return KnownBefore::default() };
+        let known = inner.known.iter().filter(|(owner, _)| covers(owner));
+        KnownBefore(known.filter_map(|(owner, c)| Some((owner.clone(), c.0[slot].resource_version?))).collect())
+    }
+
+    /// A list sends no deletions. The owners whose `kind` child was known when the list
+    /// began (`before`), is unchanged since, and was not `found` by it: their children were
+    /// deleted before the list's snapshot. Marks each deleted, so the next reconcile applies it
+    /// again, and returns the owners.
+    pub fn missing_from_list(
+        &self,
+        kind: &'static str,
+        before: KnownBefore,
+        found: &HashSet<ObjectKey>,
+    ) -> Vec<ObjectKey> {
+        let mut inner = self.lock();
+        let slot = inner.slot(kind);
+        let Inner { known, writing, .. } = &mut *inner;
+        let mut missing = Vec::new();
+        for (owner, version) in before.0 {
+            if found.contains(&owner) || writing.contains_key(&owner) {
+                continue;
+            }
+            if let Some(child) = known.get_mut(&owner).map(|children| &mut children.0[slot])
+                && child.resource_version == Some(version)
+            {
+                child.resource_version = None;
+                child.content = None;
+                missing.push(owner);
+            }
+        }
+        missing
+    }
+
     pub fn is_empty(&self) -> bool {
         self.lock().known.is_empty()
     }
@@ -407,5 +450,22 @@ mod tests {
     #[test]
     fn an_owner_entry_keeps_its_children_in_64_bytes() {
         assert_eq!(std::mem::size_of::<Children>(), 64, "two slots of 32 bytes, kinds named once");
+    }
+
+    #[test]
+    fn a_child_a_list_does_not_find_is_known_deleted_unless_it_changed_since() {
+        let versions = ChildVersions::default();
+        let (gone, kept, rewritten) =
+            (ObjectKey::new("n", "gone"), ObjectKey::new("n", "kept"), ObjectKey::new("n", "new"));
+        for owner in [&gone, &kept, &rewritten] {
+            versions.observe("ConfigMap", owner, Some("1"), Some(7));
+        }
+        let before = versions.known_where("ConfigMap", |_| true);
+        // Written by us while the list ran, after its snapshot.
+        versions.written("ConfigMap", &rewritten, "2", Some(1), 7);
+        let found = HashSet::from([kept.clone()]);
+        assert_eq!(versions.missing_from_list("ConfigMap", before, &found), std::slice::from_ref(&gone));
+        assert!(!versions.holds("ConfigMap", &gone, 7), "applied again at the next reconcile");
+        assert!(versions.holds("ConfigMap", &kept, 7) && versions.holds("ConfigMap", &rewritten, 7));
     }
 }

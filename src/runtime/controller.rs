@@ -30,10 +30,10 @@ use tracing::{Instrument, field};
 
 use super::backoff::Backoff;
 use super::cache::Cache;
-use super::child_versions::{CHILD_KINDS, ChildVersions};
+use super::child_versions::{CHILD_KINDS, ChildVersions, KnownBefore};
 use super::key::ObjectKey;
 use super::parts::{Buckets, Slice, Slicing};
-use super::predicate::Sight;
+use super::predicate::{List, Sight};
 use super::queue::{Priority, WorkQueue};
 use super::watch::{Cached, ChildEvent};
 use crate::error::{Error, Result};
@@ -247,14 +247,29 @@ where
         // Parts that completed a list: what a list of a new part finds only teaches us
         // versions, as the primary's list of that part reconciles every owner anyway.
         let mut parts_listed: HashSet<u64> = HashSet::new();
+        // Per part with a list under way: what was known of its children when the list
+        // began, and the owners whose children it has found so far.
+        let mut listing: HashMap<u64, (KnownBefore, HashSet<ObjectKey>)> = HashMap::new();
         while let Some(event) = children.next().await {
             match event {
-                ChildEvent::Listing { kind, scope } => {
+                ChildEvent::Listing { kind, part, scope } => {
+                    let known = versions.known_where(kind, |owner| scope.covers_namespace(owner.namespace()));
+                    listing.insert(part, (known, HashSet::new()));
                     self.children_listed.send_modify(|listed| {
                         listed.entry(kind).or_default().retain(|b| !scope.buckets().contains(b));
                     });
                 }
                 ChildEvent::Listed { kind, part, scope } => {
+                    // A list sends no deletions: a child known before it began, unchanged since,
+                    // and not found was deleted while the watch was down (or before the part
+                    // was ours). Its owner needs another look if it is one we know.
+                    if let Some((known, found)) = listing.remove(&part) {
+                        for owner in versions.missing_from_list(kind, known, &found) {
+                            if parts_listed.contains(&part) {
+                                self.queue.add(owner, Priority::High);
+                            }
+                        }
+                    }
                     parts_listed.insert(part);
                     self.children_listed.send_modify(|listed| {
                         listed.entry(kind).or_default().extend(scope.buckets());
@@ -269,8 +284,12 @@ where
                 }
                 ChildEvent::Closed { part } => {
                     parts_listed.remove(&part);
+                    listing.remove(&part);
                 }
                 ChildEvent::Changed { kind, owner, resource_version, content, part, initial } => {
+                    if let Some((_, found)) = listing.get_mut(&part).filter(|_| initial) {
+                        found.insert(owner.clone());
+                    }
                     let news = versions.observe(kind, &owner, resource_version.as_deref(), content);
                     if news && (parts_listed.contains(&part) || !initial) {
                         self.queue.add(owner, Priority::High);
@@ -392,28 +411,6 @@ fn listed_without(listed: &mut Option<Buckets>, buckets: &Buckets) {
     }
 }
 
-/// Which list an object came in, for its queue lane.
-#[derive(Clone, Copy, Debug)]
-enum List {
-    /// The first list since the start.
-    First,
-    /// The first list of a part of the slice: buckets gained.
-    NewSlice,
-    /// A list of a part again, after a watch gap.
-    SameSlice,
-}
-
-impl List {
-    /// Backlog (the first list, and objects a new slice brings) goes low; a new generation,
-    /// or an object created during a watch gap, goes high.
-    fn priority_of(self, sight: Sight) -> Priority {
-        match (self, sight) {
-            (List::First, _) | (List::NewSlice, Sight::New) => Priority::Low,
-            _ => Priority::High,
-        }
-    }
-}
-
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
         (Some(message), _) => message.to_string(),
@@ -449,21 +446,6 @@ mod tests {
             Ok(Action::Done)
         }
         fn forget(&self, _: &ObjectKey) {}
-    }
-
-    #[test]
-    fn backlog_goes_low_and_changes_go_high() {
-        use Priority::{High, Low};
-        for (list, sight, lane) in [
-            (List::First, Sight::New, Low),
-            (List::First, Sight::Changed, Low),
-            (List::NewSlice, Sight::New, Low),
-            (List::NewSlice, Sight::Changed, High),
-            (List::SameSlice, Sight::New, High),
-            (List::SameSlice, Sight::Changed, High),
-        ] {
-            assert_eq!(list.priority_of(sight), lane, "{list:?}, {sight:?}");
-        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,4 +1,4 @@
-//! The generation predicate: which watch events are worth a reconcile.
+//! The generation predicate: which watch events are worth a reconcile, and in which lane.
 //!
 //! Passes the first sight of an object (including one that arrives through a relist or a
 //! handoff), a new uid under a known name (deleted and created again while the watch was
@@ -11,6 +11,8 @@
 //! when it returns. kube-runtime's predicates keep a hash per object in a map of their own.
 
 use kube::Resource;
+
+use super::queue::Priority;
 
 /// What an event shows about an object, against what was seen before.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,6 +38,28 @@ pub fn sight<K: Resource>(cached: Option<&K>, object: &K) -> Sight {
     }
 }
 
+/// Which list an object came in, for its queue lane.
+#[derive(Clone, Copy, Debug)]
+pub enum List {
+    /// The first list since the start.
+    First,
+    /// The first list of a part of the slice: buckets gained.
+    NewSlice,
+    /// A list of a part again, after a watch gap.
+    SameSlice,
+}
+
+impl List {
+    /// Backlog (the first list, and objects a new slice brings) goes low; a new generation,
+    /// or an object created during a watch gap, goes high.
+    pub fn priority_of(self, sight: Sight) -> Priority {
+        match (self, sight) {
+            (List::First, _) | (List::NewSlice, Sight::New) => Priority::Low,
+            _ => Priority::High,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use k8s_openapi::api::core::v1::ConfigMap;
@@ -56,5 +80,20 @@ mod tests {
         assert_eq!(sight(Some(&first), &object("u1", 2)), Sight::Changed, "spec change");
         // Deleted and created again while the watch was down: a relist shows generation 1 again.
         assert_eq!(sight(Some(&first), &object("u2", 1)), Sight::New, "same name and generation, another object");
+    }
+
+    #[test]
+    fn backlog_goes_low_and_changes_go_high() {
+        use Priority::{High, Low};
+        for (list, sight, lane) in [
+            (List::First, Sight::New, Low),
+            (List::First, Sight::Changed, Low),
+            (List::NewSlice, Sight::New, Low),
+            (List::NewSlice, Sight::Changed, High),
+            (List::SameSlice, Sight::New, High),
+            (List::SameSlice, Sight::Changed, High),
+        ] {
+            assert_eq!(list.priority_of(sight), lane, "{list:?}, {sight:?}");
+        }
     }
 }

@@ -113,7 +113,7 @@ pub enum ChildEvent {
         initial: bool,
     },
     /// A part's (re)list has begun: what is known of `scope` may be incomplete until it is done.
-    Listing { kind: &'static str, scope: Scope },
+    Listing { kind: &'static str, part: u64, scope: Scope },
     /// A part's (re)list is complete.
     Listed { kind: &'static str, part: u64, scope: Scope },
     /// Buckets left the slice: forget what is known of their children.
@@ -141,7 +141,7 @@ where
                 watcher::Event::InitApply(child) => (part, child, false, true),
                 watcher::Event::Delete(child) => (part, child, true, false),
                 watcher::Event::InitDone => return Some(ChildEvent::Listed { kind, part, scope }),
-                watcher::Event::Init => return Some(ChildEvent::Listing { kind, scope }),
+                watcher::Event::Init => return Some(ChildEvent::Listing { kind, part, scope }),
             },
             SliceEvent::Dropped(scope) => return Some(ChildEvent::Dropped { kind, scope }),
             SliceEvent::Closed { part } => return Some(ChildEvent::Closed { part }),
