@@ -11,12 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
 use kube::api::Api;
 use serde_json::json;
-use traffic_policy_operator::coordination::follower::published;
+use traffic_policy_operator::coordination::follower::record_published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
@@ -62,20 +61,6 @@ async fn settled(client: &Client, args: &Args, replicas: &[Replica], what: &str)
     }
 }
 
-/// Every assignment published while the watch runs, in order.
-fn record_assignments(client: &Client) -> (Arc<Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
-    let seen = Arc::new(Mutex::new(Vec::<Assignment>::new()));
-    let assignments = published(Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE));
-    let task = tokio::spawn({
-        let seen = seen.clone();
-        assignments.for_each(move |assignment| {
-            seen.lock().unwrap().push(assignment);
-            std::future::ready(())
-        })
-    });
-    (seen, task)
-}
-
 /// Policies the API server has returned in lists so far, whether from its watch cache or
 /// from etcd: the cost of handoffs as the server sees it, whichever operator build lists.
 async fn server_listed(client: &Client) -> anyhow::Result<f64> {
@@ -97,10 +82,8 @@ fn cost(args: &Args, before: &Counts, after: &Counts, history: &[Assignment], se
     let policies = |bucket: u16| f64::from(per_bucket.get(&bucket).copied().unwrap_or(0));
     // Each replica gains a bucket whenever an assignment gives it one that the previous did not.
     let mut gained: BTreeMap<&str, f64> = BTreeMap::new();
-    for pair in history.windows(2) {
-        for (member, bucket) in pair[1].gained_since(&pair[0]) {
-            *gained.entry(pod_of(member)).or_default() += policies(bucket);
-        }
+    for (member, bucket) in Assignment::gains_over(history) {
+        *gained.entry(pod_of(member)).or_default() += policies(bucket);
     }
     let net_moved: f64 = last.gained_since(first).into_iter().map(|(_, bucket)| policies(bucket)).sum();
     let replicas: Vec<serde_json::Value> = after
@@ -145,7 +128,7 @@ pub async fn measure(
     tracker: &Arc<Mutex<Tracker>>,
 ) -> anyhow::Result<serde_json::Value> {
     let before = settled(client, args, replicas, "convergence").await?;
-    let (recorded, recorder) = record_assignments(client);
+    let (recorded, recorder) = record_published(Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE));
     tokio::time::timeout(Duration::from_secs(30), async {
         while recorded.lock().unwrap().is_empty() {
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -89,6 +89,22 @@ impl AssignmentView {
     }
 }
 
+/// Records every assignment published in `configmaps` from now on, in order, until the
+/// returned task is stopped (for tools and tests that follow the leader's steps).
+pub fn record_published(
+    configmaps: Api<ConfigMap>,
+) -> (Arc<std::sync::Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
+    let recorded = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let task = tokio::spawn({
+        let recorded = recorded.clone();
+        published(configmaps).for_each(move |assignment| {
+            recorded.lock().unwrap_or_else(|p| p.into_inner()).push(assignment);
+            std::future::ready(())
+        })
+    });
+    (recorded, task)
+}
+
 /// Every assignment published in `configmaps` from now on, newer generations only (for tools
 /// and tests that follow the leader's steps).
 pub fn published(configmaps: Api<ConfigMap>) -> impl futures::Stream<Item = Assignment> + Send {
@@ -124,8 +140,6 @@ pub struct Follower {
     slice: watch::Sender<Option<Buckets>>,
     health: Arc<Health>,
     audit: Audit,
-    /// What the watches were last pointed at; `None` before the first selector.
-    watching: Option<BTreeSet<Bucket>>,
     applied: u64,
 }
 
@@ -150,18 +164,7 @@ impl Follower {
         audit: Audit,
     ) -> Self {
         let configmaps = Api::namespaced(client, &config.namespace);
-        Self {
-            config: config.clone(),
-            ownership,
-            lease,
-            view,
-            configmaps,
-            slice,
-            health,
-            audit,
-            watching: None,
-            applied: 0,
-        }
+        Self { config: config.clone(), ownership, lease, view, configmaps, slice, health, audit, applied: 0 }
     }
 
     pub async fn run(mut self, stop: CancellationToken) {
@@ -223,10 +226,9 @@ impl Follower {
         }
         let owned = self.ownership.owned();
         // Nothing is watched before the first assignment: until then we do not know our slice.
-        if self.applied > 0 && self.watching.as_ref() != Some(&owned) {
+        if self.applied > 0 && self.slice.borrow().as_ref() != Some(&owned) {
             self.audit.record("owned", &self.applied, &bucket::ranges(&owned));
-            self.slice.send_replace(Some(owned.clone()));
-            self.watching = Some(owned);
+            self.slice.send_replace(Some(owned));
         }
         // Ready only while we may write what the assignment gives us: closed again by a lapse.
         self.health.set("assignment", self.applied > 0 && self.ownership.may_write());

@@ -12,7 +12,7 @@
 //! a gain that would make more than [`MAX_PARTS`] folds them into one watch of the whole
 //! slice (one relist, which consumers see as a part listing what it covers).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Debug;
 use std::sync::Arc;
 
@@ -170,12 +170,11 @@ where
         parts: BTreeMap::new(),
         watches: SelectAll::new(),
         next_id: 0,
-        pending: Vec::new(),
+        pending: VecDeque::new(),
     };
     futures::stream::unfold((parts, slice), |(mut parts, mut slice)| async move {
         loop {
-            if !parts.pending.is_empty() {
-                let event = parts.pending.remove(0);
+            if let Some(event) = parts.pending.pop_front() {
                 return Some((event, (parts, slice)));
             }
             tokio::select! {
@@ -217,7 +216,7 @@ struct Parts<K> {
     watches: SelectAll<PartEvents<K>>,
     next_id: u64,
     /// Events to pass on before anything else.
-    pending: Vec<SliceEvent<K>>,
+    pending: VecDeque<SliceEvent<K>>,
 }
 
 impl<K> Parts<K>
@@ -235,7 +234,7 @@ where
                     part.buckets = Arc::new(part.buckets.difference(&lost).copied().collect());
                 }
             }
-            self.pending.push(SliceEvent::Dropped(self.slicing.scope(Arc::new(lost))));
+            self.pending.push_back(SliceEvent::Dropped(self.slicing.scope(Arc::new(lost))));
         }
         let empty: Vec<u64> = self.parts.iter().filter(|(_, p)| p.buckets.is_empty()).map(|(id, _)| *id).collect();
         empty.into_iter().for_each(|id| self.close(id));
@@ -265,7 +264,7 @@ where
     fn close(&mut self, id: u64) {
         if let Some(part) = self.parts.remove(&id) {
             part.stop.abort();
-            self.pending.push(SliceEvent::Closed { part: id });
+            self.pending.push_back(SliceEvent::Closed { part: id });
         }
     }
 

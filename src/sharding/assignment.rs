@@ -114,6 +114,12 @@ impl Assignment {
             .collect()
     }
 
+    /// What each member gains over the successive assignments of `history`: a bucket once
+    /// for every step that gives it to a member that did not own it.
+    pub fn gains_over(history: &[Assignment]) -> Vec<(&str, Bucket)> {
+        history.windows(2).flat_map(|step| step[1].gained_since(&step[0])).collect()
+    }
+
     /// Buckets that nobody in `alive` works on.
     pub fn unowned(&self, alive: &BTreeSet<String>) -> usize {
         self.slots.iter().filter(|slot| !matches!(slot, Slot::Owned { member, .. } if alive.contains(member))).count()

@@ -5,32 +5,17 @@
 //! pass through a replica that stays on the way to its final owner).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
-use traffic_policy_operator::coordination::follower::published;
+use traffic_policy_operator::coordination::follower::record_published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
 use crate::SERIAL;
 use crate::common::{eventually, expected_mode};
 use crate::fleet::{Fleet, PER_NAMESPACE};
-
-/// Every assignment published while the returned task runs, in order.
-fn record_assignments(fleet: &Fleet) -> (Arc<Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
-    let seen = Arc::new(Mutex::new(Vec::<Assignment>::new()));
-    let assignments = published(fleet.env.api::<ConfigMap>());
-    let task = tokio::spawn({
-        let seen = seen.clone();
-        assignments.for_each(move |assignment| {
-            seen.lock().unwrap().push(assignment);
-            std::future::ready(())
-        })
-    });
-    (seen, task)
-}
 
 /// Once the assignment has settled and every cache holds its share: per replica, the
 /// policies its lists brought so far; and how many assignments were recorded by then.
@@ -71,10 +56,8 @@ fn listed_and_gained(
         (namespaces * PER_NAMESPACE) as f64
     };
     let mut gained: BTreeMap<&str, f64> = BTreeMap::new();
-    for step in history.windows(2) {
-        for (member, bucket) in step[1].gained_since(&step[0]) {
-            *gained.entry(pod_of(member)).or_default() += per_bucket(bucket);
-        }
+    for (member, bucket) in Assignment::gains_over(history) {
+        *gained.entry(pod_of(member)).or_default() += per_bucket(bucket);
     }
     after
         .iter()
@@ -93,7 +76,7 @@ async fn a_handoff_lists_only_the_policies_it_moves() {
         fleet.start(name).await;
     }
     fleet.converged("the initial creation").await;
-    let (recorded, recorder) = record_assignments(&fleet);
+    let (recorded, recorder) = record_published(fleet.env.api::<ConfigMap>());
     let (two, at_two) = settled(&fleet, &recorded, "two replicas").await;
     fleet.start("r-2").await;
     let (three, at_three) = settled(&fleet, &recorded, "scaling to 3").await;
