@@ -28,6 +28,16 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// A caught panic, with its message when it has one.
+    pub fn panicked(panic: &(dyn std::any::Any + Send)) -> Self {
+        let message = match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+            (Some(message), _) => message.to_string(),
+            (_, Some(message)) => message.clone(),
+            _ => "a panic without a message".into(),
+        };
+        Self::Panicked(message)
+    }
+
     /// A fixed label for metrics: never a message or an object name.
     pub fn kind(&self) -> &'static str {
         match self {

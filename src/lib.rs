@@ -3,7 +3,7 @@
 //!
 //! The pipeline, one module per stage:
 //! - [`api`]: the custom resource types and their schema;
-//! - [`runtime`]: watch → trimmed cache → generation predicate → work queue → workers;
+//! - [`runtime`]: watch → compact cache → generation predicate → work queue → workers;
 //! - [`sharding`]: pure sharding decisions: buckets, the ring, membership, assignment;
 //! - [`coordination`]: the sharding protocol's side effects: leases, leader, ownership, handoff;
 //! - [`reconcile`]: the traffic-policy logic, desired objects from the spec (pure), then

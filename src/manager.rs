@@ -17,7 +17,6 @@ use kube::runtime::events::Reporter;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::ApplicationTrafficPolicy;
 use crate::cli::RunArgs;
 use crate::client::Clients;
 use crate::coordination::follower::{AssignmentView, Follower, slice_selector};
@@ -27,11 +26,13 @@ use crate::coordination::lease::MemberLease;
 use crate::coordination::load::LoadReport;
 use crate::coordination::members::Members;
 use crate::coordination::ownership::Ownership;
+use crate::reconcile::cached::CachedPolicy;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::reconcile::events::Events;
 use crate::reconcile::{FIELD_MANAGER, TrafficPolicyReconciler};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::cache::Cache;
+use crate::runtime::cache::Stored as _;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::parts::{self, Slicing};
 use crate::runtime::{Controller, Settings, watch};
@@ -126,8 +127,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         move |buckets| slice_selector(mode, buckets),
     );
     let policies = parts::watch(api(&client, &args), None, slice.clone(), slicing.clone());
-    let primary =
-        watch::primary(policies, crate::reconcile::trim_for_cache, crate::reconcile::labelled_from_backlog, writer);
+    let primary = watch::primary(policies, crate::reconcile::labelled_from_backlog, writer);
     let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
     let children = vec![
@@ -185,8 +185,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     // Run until shutdown; a critical task that ends first stops the process, after the
     // same orderly shutdown.
-    let sharding = (slice, slicing);
-    let controller = controller.run(primary, children, sharding, child_versions, reconciler, shutdown.clone());
+    let controller = controller.run(primary, children, slice, child_versions, reconciler, shutdown.clone());
     let mut controller = std::pin::pin!(controller);
     let (mut lease_task, mut leader_task, mut follower_task) =
         (Some(lease_task), Some(leader_task), Some(follower_task));
@@ -276,13 +275,16 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Clie
 }
 
 /// Keeps `traffic_policy_policies` (our slice by Ready status and reason) current.
-async fn report_policies(cache: Cache<ApplicationTrafficPolicy>) {
-    use crate::reconcile::status::{READY_STATES, ready_tally};
+async fn report_policies(cache: Cache<CachedPolicy>) {
+    use crate::reconcile::status::{READY_STATES, ready_state};
     let mut tick = tokio::time::interval(Duration::from_secs(10));
     loop {
         tick.tick().await;
-        let policies = cache.state();
-        metrics::set_policies(&READY_STATES, &ready_tally(policies.iter().map(|p| p.as_ref())));
+        let mut tally = [0; READY_STATES.len()];
+        for (_, policy) in cache.state() {
+            tally[ready_state(policy.generation(), policy.ready())] += 1;
+        }
+        metrics::set_policies(&READY_STATES, &tally);
     }
 }
 

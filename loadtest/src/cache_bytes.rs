@@ -1,8 +1,9 @@
 //! Cached bytes per policy. Creates policies the way users and the operator write them
 //! (a `kubectl apply`-style last-applied annotation, the server's managedFields, a status),
-//! lists them back, then decodes the same JSON into the operator's cache twice, once trimmed
-//! as the operator does and once untrimmed, and reads jemalloc's allocated-bytes counter
-//! around each. Then it fills the runtime's other per-policy state as a converged replica
+//! lists them back, then decodes the same JSON three times: into a map of whole objects, into
+//! the runtime's cache of trimmed objects (managed fields and the last-applied annotation
+//! dropped), and into the cache in the compact form the operator keeps, and reads jemalloc's
+//! allocated-bytes counter around each. Then it fills the runtime's other per-policy state as a converged replica
 //! holds it (the child versions of both children, the queue's scheduled resync) and measures
 //! each the same way. The generation predicate keeps nothing of its own: the cache is its
 //! memory.
@@ -19,8 +20,9 @@ use kube::runtime::watcher;
 use serde_json::json;
 use tikv_jemalloc_ctl::{epoch, stats};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
-use traffic_policy_operator::reconcile::trim_for_cache;
-use traffic_policy_operator::runtime::cache;
+use traffic_policy_operator::reconcile::cached::CachedPolicy;
+use traffic_policy_operator::runtime::cache::{self, Stored};
+use traffic_policy_operator::runtime::key::ObjectKey;
 use traffic_policy_operator::runtime::parts::Scope;
 
 #[derive(clap::Args)]
@@ -52,39 +54,42 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     drop(list);
     let wire_bytes: usize = raw.iter().map(Vec::len).sum();
 
-    let untrimmed = store_bytes(&raw, false)?;
-    let trimmed = store_bytes(&raw, true)?;
+    let untrimmed = untrimmed_bytes(&raw)?;
+    let trimmed = store_bytes::<ApplicationTrafficPolicy>(&raw)?;
+    let compact = store_bytes::<CachedPolicy>(&raw)?;
     let runtime = runtime_bytes(&raw)?;
-    let total = trimmed + runtime.child_versions + runtime.queue;
+    let total = compact + runtime.child_versions + runtime.queue;
     let n = raw.len() as f64;
     let result = json!({
         "objects": raw.len(),
         "json_bytes_per_object": wire_bytes as f64 / n,
         "cached_bytes_per_object_untrimmed": untrimmed as f64 / n,
-        "cached_bytes_per_object_trimmed": trimmed as f64 / n,
-        "trimmed_to_untrimmed_ratio": trimmed as f64 / untrimmed as f64,
+        "cached_bytes_per_object_trimmed_object": trimmed as f64 / n,
+        "cached_bytes_per_object_compact": compact as f64 / n,
+        "compact_to_untrimmed_ratio": compact as f64 / untrimmed as f64,
         "child_versions_bytes_per_object": runtime.child_versions as f64 / n,
         "queue_bytes_per_object": runtime.queue as f64 / n,
         "runtime_bytes_per_object": total as f64 / n,
     });
     println!(
-        "| objects | JSON bytes/object | cached bytes/object, untrimmed | cached bytes/object, trimmed (operator) | ratio |"
+        "| objects | JSON bytes/object | cached bytes/object: whole object | trimmed object | compact (operator) | compact / whole |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     println!(
-        "| {} | {:.0} | {:.0} | {:.0} | {:.2} |",
+        "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} |",
         raw.len(),
         wire_bytes as f64 / n,
         untrimmed as f64 / n,
         trimmed as f64 / n,
-        trimmed as f64 / untrimmed as f64
+        compact as f64 / n,
+        compact as f64 / untrimmed as f64
     );
     println!();
-    println!("| per policy | store (trimmed) | child versions | queue (resync) | total |");
+    println!("| per policy | cache (compact) | child versions | queue (resync) | total |");
     println!("|---|---|---|---|---|");
     println!(
         "| bytes | {:.0} | {:.0} | {:.0} | {:.0} |",
-        trimmed as f64 / n,
+        compact as f64 / n,
         runtime.child_versions as f64 / n,
         runtime.queue as f64 / n,
         total as f64 / n
@@ -97,17 +102,28 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Heap bytes held by the operator's cache filled from `raw`, as the watch path fills it.
-fn store_bytes(raw: &[Vec<u8>], trimmed: bool) -> anyhow::Result<usize> {
+/// Heap bytes held by whole objects decoded from `raw`, by key.
+fn untrimmed_bytes(raw: &[Vec<u8>]) -> anyhow::Result<usize> {
     let before = allocated()?;
-    let (cache, mut writer) = cache::new::<ApplicationTrafficPolicy>();
+    let mut objects = std::collections::HashMap::new();
+    for bytes in raw {
+        let object: ApplicationTrafficPolicy = serde_json::from_slice(bytes)?;
+        objects.insert(ObjectKey::of(&object), std::sync::Arc::new(object));
+    }
+    let held = allocated()?.saturating_sub(before);
+    drop(objects);
+    Ok(held)
+}
+
+/// Heap bytes held by the runtime's cache filled from `raw` in the form `S`, as the watch
+/// path fills it.
+fn store_bytes<S: Stored<Object = ApplicationTrafficPolicy>>(raw: &[Vec<u8>]) -> anyhow::Result<usize> {
+    let before = allocated()?;
+    let (cache, mut writer) = cache::new::<S>();
     let all = Scope::everything();
     writer.apply(0, &all, &watcher::Event::Init);
     for bytes in raw {
-        let mut object: ApplicationTrafficPolicy = serde_json::from_slice(bytes)?;
-        if trimmed {
-            trim_for_cache(&mut object);
-        }
+        let object: ApplicationTrafficPolicy = serde_json::from_slice(bytes)?;
         writer.apply(0, &all, &watcher::Event::InitApply(object));
     }
     writer.apply(0, &all, &watcher::Event::InitDone);
@@ -131,14 +147,13 @@ fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
     use traffic_policy_operator::runtime::{
         backoff::Backoff,
         child_versions::ChildVersions,
-        key::ObjectKey,
         queue::{Priority, WorkQueue},
     };
     use traffic_policy_operator::telemetry::metrics::QueueMetrics;
 
     let policies: Vec<ApplicationTrafficPolicy> =
         raw.iter().map(|bytes| serde_json::from_slice(bytes)).collect::<Result<_, _>>()?;
-    let (_cache, mut writer) = cache::new();
+    let (_cache, mut writer) = cache::new::<CachedPolicy>();
     let all = Scope::everything();
     let cached: Vec<ObjectKey> =
         policies.iter().filter_map(|p| writer.apply(0, &all, &watcher::Event::Apply(p.clone())).key).collect();

@@ -1,7 +1,7 @@
 //! `loadtest compare`: the same policies, one mode after another in one invocation, each on
 //! a fresh control plane: the API write floor, the operator (one replica, then three) in
 //! shard-selector and in label mode, the controller-runtime peer and the kube-rs peers (plain,
-//! and trimmed as the operator trims). Prints the ratios that count, each against its target
+//! and with a trimmed cache). Prints the ratios that count, each against its target
 //! (issue 11's, set for 20k policies) with a pass or fail.
 
 use std::path::PathBuf;

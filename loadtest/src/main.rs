@@ -27,8 +27,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Benchmark {
-    /// Heap bytes per cached ApplicationTrafficPolicy, trimmed as the operator stores them and
-    /// untrimmed, measured side by side on the same objects read from the API server.
+    /// Heap bytes per cached ApplicationTrafficPolicy: whole, trimmed, and in the compact form
+    /// the operator keeps, measured side by side on the same objects read from the API server.
     CacheBytes(cache_bytes::Args),
     /// The per-write cost of the fencing ValidatingAdmissionPolicy, with and without it.
     FencingCost(fencing_cost::Args),

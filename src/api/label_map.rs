@@ -2,9 +2,8 @@
 //!
 //! A `BTreeMap<String, String>` with a single entry allocates a whole B-tree leaf (eleven
 //! key and value slots, over 500 bytes); a sorted `Vec` of pairs allocates what it holds.
-//! Selectors have a handful of entries, and the cache holds one per policy. A boxed slice
-//! rather than a `Vec` also saves the capacity word: with it, a cached policy fits
-//! jemalloc's 512-byte size class instead of the 640-byte one.
+//! Selectors have a handful of entries, and every decoded policy holds one. A boxed slice
+//! rather than a `Vec` also saves the capacity word.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -1,13 +1,12 @@
-//! Sharding wraps the reconciler: [`Sharded`] resolves an object's bucket, registers the
-//! reconcile with [`Ownership`] (so a handoff can drain it), and hands the business
-//! reconciler a [`WriteGate`] that checks the bucket is still ours before every write and
+//! Sharding wraps the reconciler: [`Sharded`] takes an object's bucket (as the cache keeps
+//! it, from [`bucket_of_meta`]), registers the reconcile with [`Ownership`] (so a handoff
+//! can drain it), and hands the business reconciler a [`WriteGate`] that checks the bucket is still ours before every write and
 //! gives the bucket's fencing epoch to stamp on it. The reconciler knows nothing of
 //! buckets, as in timebertt's sharding wrapper and kubert's `is_current_for`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::Resource;
 use kube::api::ObjectMeta;
 use tokio::time::Instant;
 
@@ -18,14 +17,9 @@ use crate::runtime::{Action, ObjectKey, Reconciler};
 use crate::sharding::bucket::{self, BUCKET_LABEL, Bucket, Mode};
 use crate::telemetry::audit::Audit;
 
-/// The bucket of an object. In label mode: its bucket label (set by hand, or kept by the
-/// cache trim when it differs), or else its namespace's bucket. With the shard selector:
-/// its namespace's bucket, as the API server computes it; labels play no part.
-pub fn bucket_of_object<K: Resource>(object: &K, mode: Mode) -> Option<Bucket> {
-    bucket_of_meta(object.meta(), mode)
-}
-
-/// [`bucket_of_object`], from an object's metadata.
+/// The bucket of an object, from its metadata. In label mode: its bucket label (which may
+/// have been set by hand), or else its namespace's bucket. With the shard selector: its
+/// namespace's bucket, as the API server computes it; labels play no part.
 pub fn bucket_of_meta(meta: &ObjectMeta, mode: Mode) -> Option<Bucket> {
     let namespace = meta.namespace.as_deref().unwrap_or_default();
     match (mode, meta.labels.as_ref().and_then(|labels| labels.get(BUCKET_LABEL))) {
@@ -46,14 +40,14 @@ impl<R> Sharded<R> {
     }
 }
 
-impl<K, R> Reconciler<K> for Sharded<R>
+impl<S, R> Reconciler<S> for Sharded<R>
 where
-    K: Resource + Send + Sync + 'static,
-    R: GatedReconciler<K>,
+    S: Send + Sync + 'static,
+    R: GatedReconciler<S>,
 {
-    async fn reconcile(&self, key: &ObjectKey, object: Arc<K>) -> Result<Action> {
+    async fn reconcile(&self, key: &ObjectKey, object: Arc<S>, bucket: Option<u16>) -> Result<Action> {
         let mode = self.ownership.mode();
-        let Some(in_flight) = bucket_of_object(object.as_ref(), mode).and_then(|b| self.ownership.begin(b)) else {
+        let Some(in_flight) = bucket.and_then(|b| self.ownership.begin(b)) else {
             return Ok(Action::Skip);
         };
         let gate = ShardGate { in_flight, mode, key, audit: &self.audit };
@@ -104,5 +98,30 @@ impl WriteGate for ShardGate<'_> {
             Mode::Labels => vec![(BUCKET_LABEL.to_string(), bucket::label_value(self.in_flight.bucket))],
             Mode::ShardSelector => Vec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hand_set_bucket_label_routes_in_label_mode_only() {
+        let meta = |label: Option<&str>| ObjectMeta {
+            namespace: Some("shop".into()),
+            labels: label.map(|label| [(BUCKET_LABEL.to_string(), label.to_string())].into()),
+            ..Default::default()
+        };
+        let implied = bucket::bucket_of("shop");
+        assert_eq!(bucket_of_meta(&meta(None), Mode::Labels), Some(implied));
+        let other = if implied == 7 { "8" } else { "7" };
+        assert_eq!(
+            bucket_of_meta(&meta(Some(other)), Mode::Labels),
+            bucket::parse_label(other),
+            "a hand-set bucket wins"
+        );
+        assert_eq!(bucket_of_meta(&meta(Some("x")), Mode::Labels), None, "a malformed label is in no bucket");
+        let shard_bucket = Some(Mode::ShardSelector.bucket_of("shop"));
+        assert_eq!(bucket_of_meta(&meta(Some(other)), Mode::ShardSelector), shard_bucket, "the server ignores labels");
     }
 }

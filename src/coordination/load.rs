@@ -10,10 +10,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kube::ResourceExt;
-
 use super::ownership::Ownership;
-use crate::api::ApplicationTrafficPolicy;
+use crate::reconcile::cached::CachedPolicy;
 use crate::runtime::Listed;
 use crate::runtime::cache::Cache;
 use crate::sharding::balance::{Counts, Report};
@@ -33,7 +31,7 @@ impl LoadReport {
     }
 
     /// Counts the cache every few seconds, forever.
-    pub async fn keep(&self, cache: Cache<ApplicationTrafficPolicy>, ownership: Arc<Ownership>, listed: Listed) {
+    pub async fn keep(&self, cache: Cache<CachedPolicy>, ownership: Arc<Ownership>, listed: Listed) {
         let mut tick = tokio::time::interval(COUNT_EVERY);
         loop {
             tick.tick().await;
@@ -42,8 +40,8 @@ impl LoadReport {
                 continue;
             }
             let mut counts = Counts::new();
-            for policy in cache.state() {
-                let bucket = ownership.mode().bucket_of(&policy.namespace().unwrap_or_default());
+            for (key, _) in cache.state() {
+                let bucket = ownership.mode().bucket_of(key.namespace());
                 if owned.contains(&bucket) {
                     *counts.entry(bucket).or_default() += 1;
                 }

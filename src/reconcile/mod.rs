@@ -10,6 +10,7 @@
 //! stamped with the gate's fencing token, and bounded in time on both ends. Who may write
 //! (sharding) is the gate's business, not this module's.
 
+pub mod cached;
 pub mod desired;
 pub mod events;
 pub mod status;
@@ -27,13 +28,14 @@ use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use self::cached::CachedPolicy;
 use self::events::{Events, Occurrence};
 use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, CONTENT_ANNOTATION, ChildVersions, content_hash};
 use crate::runtime::gate::{FENCE_ANNOTATION, GatedReconciler, WriteGate, bounded, with_server_timeout};
 use crate::runtime::{Action, ObjectKey};
-use crate::sharding::bucket::{self, BUCKET_LABEL};
+use crate::sharding::bucket;
 use status::Outcome;
 
 /// The field manager of every write we make.
@@ -42,25 +44,10 @@ pub const FIELD_MANAGER: &str = "traffic-policy-operator";
 /// What the fencing ValidatingAdmissionPolicy (deploy/components/fencing/) says when it refuses a write.
 pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 
-/// Whether the leader labelled `policy` from its backlog (read before the trim drops it).
+/// Whether the leader labelled `policy` from its backlog (read from the event: the cached
+/// policy keeps no annotations).
 pub fn labelled_from_backlog(policy: &ApplicationTrafficPolicy) -> bool {
     policy.annotations().contains_key(bucket::BACKLOG_ANNOTATION)
-}
-
-/// Drops what the reconcile never reads before a policy is cached (the cache holds one per
-/// policy, so every field counts): managed fields, annotations, the creation timestamp,
-/// and labels. The bucket label is kept only when it differs from the one the namespace
-/// implies (set by hand), since the bucket otherwise follows from the namespace.
-pub fn trim_for_cache(policy: &mut ApplicationTrafficPolicy) {
-    crate::runtime::watch::trim(policy);
-    let implied = bucket::label_value(bucket::bucket_of(&policy.namespace().unwrap_or_default()));
-    let meta = &mut policy.metadata;
-    meta.annotations = None;
-    meta.creation_timestamp = None;
-    meta.labels = match meta.labels.take().and_then(|mut labels| labels.remove(BUCKET_LABEL)) {
-        Some(label) if label != implied => Some(BTreeMap::from([(BUCKET_LABEL.to_string(), label)])),
-        _ => None,
-    };
 }
 
 pub struct TrafficPolicyReconciler {
@@ -195,13 +182,8 @@ fn is_fenced(status: &kube::core::Status) -> bool {
     status.message.contains(FENCED_MESSAGE)
 }
 
-impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
-    async fn reconcile(
-        &self,
-        key: &ObjectKey,
-        policy: Arc<ApplicationTrafficPolicy>,
-        gate: &dyn WriteGate,
-    ) -> Result<Action> {
+impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
+    async fn reconcile(&self, key: &ObjectKey, cached: Arc<CachedPolicy>, gate: &dyn WriteGate) -> Result<Action> {
         // Only formatted when a test flag is set: this is every reconcile's path.
         let targets = |flag: &Option<String>| flag.as_ref().is_some_and(|target| *target == key.to_string());
         if targets(&self.panic_on) {
@@ -211,6 +193,8 @@ impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
             tracing::warn!("test fault: --test-stall-on {key}: hanging until the reconcile timeout");
             std::future::pending::<()>().await;
         }
+        // The policy in full for this reconcile only: the cache keeps it compact.
+        let policy = cached.to_policy(key);
         let generation = policy.meta().generation.unwrap_or_default();
         let write = self.child_versions.begin_write(key);
         let applied = self.apply_children(&policy, key, gate).await;
@@ -257,44 +241,5 @@ impl GatedReconciler<ApplicationTrafficPolicy> for TrafficPolicyReconciler {
 
     fn forget(&self, key: &ObjectKey) {
         self.child_versions.forget_owner(key);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::api::{ApplicationSelector, ApplicationTrafficPolicySpec};
-    use crate::coordination::gate::bucket_of_object;
-    use crate::sharding::bucket::Mode;
-
-    fn policy(namespace: &str, labels: &[(&str, &str)]) -> ApplicationTrafficPolicy {
-        let selector = ApplicationSelector { match_labels: [("app", "web")].into_iter().collect() };
-        let spec = ApplicationTrafficPolicySpec {
-            application_selector: selector,
-            ingress_rules: vec![],
-            egress_rules: vec![],
-            rate_limit: None,
-        };
-        let mut p = ApplicationTrafficPolicy::new("web", spec);
-        p.metadata.namespace = Some(namespace.into());
-        p.metadata.labels = Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
-        p.metadata.annotations = Some(BTreeMap::from([("note".to_string(), "x".to_string())]));
-        p
-    }
-
-    #[test]
-    fn trimming_keeps_the_bucket_the_reconcile_needs() {
-        let implied = bucket::label_value(bucket::bucket_of("shop"));
-        let mut usual = policy("shop", &[(BUCKET_LABEL, &implied), ("team", "blue")]);
-        trim_for_cache(&mut usual);
-        assert!(usual.metadata.labels.is_none() && usual.metadata.annotations.is_none());
-        assert_eq!(bucket_of_object(&usual, Mode::Labels), Some(bucket::bucket_of("shop")));
-
-        let other = if implied == "7" { "8" } else { "7" };
-        let mut by_hand = policy("shop", &[(BUCKET_LABEL, other)]);
-        trim_for_cache(&mut by_hand);
-        assert_eq!(bucket_of_object(&by_hand, Mode::Labels), bucket::parse_label(other), "a hand-set bucket wins");
-        let shard_bucket = Some(Mode::ShardSelector.bucket_of("shop"));
-        assert_eq!(bucket_of_object(&by_hand, Mode::ShardSelector), shard_bucket, "the server ignores labels");
     }
 }

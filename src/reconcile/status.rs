@@ -3,7 +3,7 @@
 //! `lastTransitionTime` moves only when a condition's status changes, so a status that
 //! says the same thing compares equal and is not written again.
 
-use crate::api::{ApplicationTrafficPolicy, ApplicationTrafficPolicyStatus, Condition, ConditionStatus, Time};
+use crate::api::{ApplicationTrafficPolicyStatus, Condition, ConditionStatus, Time};
 
 pub const READY: &str = "Ready";
 
@@ -41,20 +41,15 @@ pub const READY_STATES: [(&str, &str); 5] = [
     ("Unknown", "Other"),
 ];
 
-/// How many of `policies` are in each of [`READY_STATES`], in that order.
-pub fn ready_tally<'a>(policies: impl IntoIterator<Item = &'a ApplicationTrafficPolicy>) -> [usize; 5] {
-    let mut tally = [0; READY_STATES.len()];
-    for policy in policies {
-        let ready = policy.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
-        let state = match ready {
-            Some(c) if c.observed_generation == policy.metadata.generation => {
-                READY_STATES.iter().position(|&(s, r)| s == c.status && r == c.reason).unwrap_or(4)
-            }
-            _ => 3,
-        };
-        tally[state] += 1;
+/// Which of [`READY_STATES`] a policy of `generation` is in, given its Ready condition's
+/// `(status, reason, observedGeneration)`.
+pub fn ready_state(generation: Option<i64>, ready: Option<(&str, &str, Option<i64>)>) -> usize {
+    match ready {
+        Some((status, reason, observed)) if observed == generation => {
+            READY_STATES.iter().position(|&(s, r)| s == status && r == reason).unwrap_or(4)
+        }
+        _ => 3,
     }
-    tally
 }
 
 /// The status to hold after `outcome` for `generation`, given the current one.

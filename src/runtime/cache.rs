@@ -5,6 +5,11 @@
 //! Here the key is the queue's, and it is handed on with each event, so the queue and the
 //! child versions hold the cache's own allocation rather than copies.
 //!
+//! Objects are kept in the form their [`Stored`] type gives them: the object itself by
+//! default, or a compact copy of what the reconcile reads (the policy's, in
+//! `reconcile::cached`). Each is kept with its bucket, as the API server's filter saw it
+//! when it came.
+//!
 //! The cache is also the generation predicate's memory: each event's object is compared with
 //! the one cached before it (see [`super::predicate`]).
 //!
@@ -23,40 +28,95 @@ use super::key::ObjectKey;
 use super::parts::Scope;
 use super::predicate::{Sight, sight};
 
-type Objects<K> = HashMap<ObjectKey, Arc<K>>;
-
-/// Read access to the cache; clones share it.
-pub struct Cache<K> {
-    objects: Arc<RwLock<Objects<K>>>,
+/// The form an object takes in the cache. It keeps what the runtime compares between
+/// events: the uid, the generation and the resourceVersion.
+pub trait Stored: Send + Sync + Sized + 'static {
+    /// The object watched.
+    type Object: Resource + Clone;
+    fn store(object: &Self::Object) -> Self;
+    fn has_uid(&self, uid: Option<&str>) -> bool;
+    fn generation(&self) -> Option<i64>;
+    /// Whether this is `resource_version` of the object (never when either has none).
+    fn is_version(&self, resource_version: Option<&str>) -> bool;
 }
 
-impl<K> Clone for Cache<K> {
+/// By default, the object itself, trimmed as [`super::watch::trim`] says. As kube's reflector
+/// does, it is a clone: a clone also drops the spare room that decoded lists keep (a list of
+/// one has room for four).
+impl<K: Resource + Clone + Send + Sync + 'static> Stored for K {
+    type Object = K;
+
+    fn store(object: &K) -> K {
+        let mut object = object.clone();
+        super::watch::trim(&mut object);
+        object
+    }
+
+    fn has_uid(&self, uid: Option<&str>) -> bool {
+        self.meta().uid.as_deref() == uid
+    }
+
+    fn generation(&self) -> Option<i64> {
+        self.meta().generation
+    }
+
+    fn is_version(&self, resource_version: Option<&str>) -> bool {
+        let cached = self.meta().resource_version.as_deref();
+        cached.is_some() && cached == resource_version
+    }
+}
+
+/// A cached object and its bucket (`None`: in no bucket, e.g. a malformed bucket label).
+pub struct Entry<S> {
+    pub object: Arc<S>,
+    pub bucket: Option<u16>,
+}
+
+impl<S> Clone for Entry<S> {
+    fn clone(&self) -> Self {
+        Self { object: self.object.clone(), bucket: self.bucket }
+    }
+}
+
+type Objects<S> = HashMap<ObjectKey, Entry<S>>;
+
+/// Read access to the cache; clones share it.
+pub struct Cache<S> {
+    objects: Arc<RwLock<Objects<S>>>,
+}
+
+impl<S> Clone for Cache<S> {
     fn clone(&self) -> Self {
         Self { objects: self.objects.clone() }
     }
 }
 
 /// The cache's one writer, fed by the watch.
-pub struct CacheWriter<K> {
-    cache: Cache<K>,
+pub struct CacheWriter<S> {
+    cache: Cache<S>,
     /// The lists under way, by part of the slice.
-    listing: HashMap<u64, Objects<K>>,
+    listing: HashMap<u64, Objects<S>>,
 }
 
 /// An empty cache and its writer.
-pub fn new<K>() -> (Cache<K>, CacheWriter<K>) {
+pub fn new<S>() -> (Cache<S>, CacheWriter<S>) {
     let cache = Cache { objects: Arc::new(RwLock::new(HashMap::new())) };
     (cache.clone(), CacheWriter { cache, listing: HashMap::new() })
 }
 
-impl<K> Cache<K> {
-    pub fn get(&self, key: &ObjectKey) -> Option<Arc<K>> {
+impl<S> Cache<S> {
+    pub fn get(&self, key: &ObjectKey) -> Option<Arc<S>> {
+        self.entry(key).map(|entry| entry.object)
+    }
+
+    /// The object of `key` with its bucket.
+    pub fn entry(&self, key: &ObjectKey) -> Option<Entry<S>> {
         self.read().get(key).cloned()
     }
 
-    /// Every object cached now.
-    pub fn state(&self) -> Vec<Arc<K>> {
-        self.read().values().cloned().collect()
+    /// Every object cached now, with its key.
+    pub fn state(&self) -> Vec<(ObjectKey, Arc<S>)> {
+        self.read().iter().map(|(key, entry)| (key.clone(), entry.object.clone())).collect()
     }
 
     pub fn len(&self) -> usize {
@@ -67,11 +127,11 @@ impl<K> Cache<K> {
         self.len() == 0
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, Objects<K>> {
+    fn read(&self) -> RwLockReadGuard<'_, Objects<S>> {
         self.objects.read().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, Objects<K>> {
+    fn write(&self) -> RwLockWriteGuard<'_, Objects<S>> {
         self.objects.write().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
@@ -98,10 +158,12 @@ impl Applied {
     }
 }
 
-impl<K: Resource + Clone> CacheWriter<K> {
+impl<S: Stored> CacheWriter<S> {
     /// Applies an event of part `part` of the slice, which covers `scope`. A complete list
     /// replaces what the cache holds in `scope`.
-    pub fn apply(&mut self, part: u64, scope: &Scope, event: &watcher::Event<K>) -> Applied {
+    pub fn apply(&mut self, part: u64, scope: &Scope, event: &watcher::Event<S::Object>) -> Applied {
+        let stored =
+            |object: &S::Object| Entry { object: Arc::new(S::store(object)), bucket: scope.bucket_of(object.meta()) };
         match event {
             watcher::Event::Init => {
                 self.listing.insert(part, HashMap::new());
@@ -111,25 +173,24 @@ impl<K: Resource + Clone> CacheWriter<K> {
                 // An object the relist finds unchanged is kept as cached: a relist of a slice
                 // (after a handoff or a watch gap) then adds only what changed to memory.
                 let key = ObjectKey::of(object);
-                let (key, cached, sight) = match self.cache.read().get_key_value(&key) {
-                    Some((key, cached)) if same_version(cached.as_ref(), object) => {
+                let (key, entry, sight) = match self.cache.read().get_key_value(&key) {
+                    Some((key, cached)) if cached.object.is_version(object.meta().resource_version.as_deref()) => {
                         (key.clone(), cached.clone(), Sight::Same)
                     }
-                    Some((key, cached)) => (key.clone(), cached_copy(object), sight(Some(cached.as_ref()), object)),
-                    None => (key, cached_copy(object), Sight::New),
+                    Some((key, cached)) => (key.clone(), stored(object), sight(Some(cached.object.as_ref()), object)),
+                    None => (key, stored(object), Sight::New),
                 };
-                self.listing.entry(part).or_default().insert(key.clone(), cached);
+                self.listing.entry(part).or_default().insert(key.clone(), entry);
                 Applied::object(key, sight)
             }
             watcher::Event::InitDone => {
                 let Some(mut listed) = self.listing.remove(&part) else { return Applied::nothing() };
                 // Buckets the part lost during the list are no longer its to fill.
-                listed.retain(|_, object| scope.covers(object.meta()));
+                listed.retain(|_, entry| scope.holds(entry.bucket));
                 let removed = {
                     let mut objects = self.cache.write();
-                    let gone = take_where(&mut objects, |key, object| {
-                        scope.covers(object.meta()) && !listed.contains_key(key)
-                    });
+                    let gone =
+                        take_where(&mut objects, |key, entry| scope.holds(entry.bucket) && !listed.contains_key(key));
                     objects.extend(listed);
                     gone
                 };
@@ -138,28 +199,36 @@ impl<K: Resource + Clone> CacheWriter<K> {
                 Applied { key: None, sight: Sight::Same, gone }
             }
             watcher::Event::Apply(object) => {
+                let entry = stored(object);
                 let mut objects = self.cache.write();
                 let key = ObjectKey::of(object);
                 let (key, sight) = match objects.get_key_value(&key) {
-                    Some((cached_key, cached)) => (cached_key.clone(), sight(Some(cached.as_ref()), object)),
+                    Some((cached_key, cached)) => (cached_key.clone(), sight(Some(cached.object.as_ref()), object)),
                     None => (key, Sight::New),
                 };
-                let replaced = objects.insert(key.clone(), cached_copy(object));
+                let replaced = objects.insert(key.clone(), entry);
                 drop(objects);
                 drop(replaced);
                 Applied::object(key, sight)
             }
             watcher::Event::Delete(object) => {
                 let key = ObjectKey::of(object);
-                let key = self.cache.write().remove_entry(&key).map_or(key, |(cached, _)| cached);
-                Applied::object(key, Sight::Same)
+                let mut objects = self.cache.write();
+                // A part lets go only of what it holds: a policy relabelled into another part's
+                // bucket may come from that part's watch before this one says it left.
+                let removed = match objects.get(&key) {
+                    Some(entry) if scope.holds(entry.bucket) => objects.remove_entry(&key),
+                    _ => None,
+                };
+                drop(objects);
+                Applied::object(removed.map_or(key, |(cached, _)| cached), Sight::Same)
             }
         }
     }
 
     /// `scope` left the slice: lets go of its objects, and returns their keys.
     pub fn drop_scope(&mut self, scope: &Scope) -> Vec<ObjectKey> {
-        let removed = take_where(&mut self.cache.write(), |_, object| scope.covers(object.meta()));
+        let removed = take_where(&mut self.cache.write(), |_, entry| scope.holds(entry.bucket));
         removed.into_iter().map(|(key, _)| key).collect()
     }
 
@@ -169,21 +238,10 @@ impl<K: Resource + Clone> CacheWriter<K> {
     }
 }
 
-fn take_where<K>(objects: &mut Objects<K>, take: impl Fn(&ObjectKey, &K) -> bool) -> Vec<(ObjectKey, Arc<K>)> {
+fn take_where<S>(objects: &mut Objects<S>, take: impl Fn(&ObjectKey, &Entry<S>) -> bool) -> Vec<(ObjectKey, Entry<S>)> {
     let keys: Vec<ObjectKey> =
-        objects.iter().filter(|(key, object)| take(key, object)).map(|(key, _)| key.clone()).collect();
+        objects.iter().filter(|(key, entry)| take(key, entry)).map(|(key, _)| key.clone()).collect();
     keys.into_iter().filter_map(|key| objects.remove_entry(&key)).collect()
-}
-
-/// Objects are cached as clones, as kube's reflector does: a clone also drops the spare
-/// room that decoded lists keep (a list of one has room for four).
-fn cached_copy<K: Clone>(object: &K) -> Arc<K> {
-    Arc::new(object.clone())
-}
-
-fn same_version<K: Resource>(cached: &K, object: &K) -> bool {
-    let cached = cached.meta().resource_version.as_deref();
-    cached.is_some() && cached == object.meta().resource_version.as_deref()
 }
 
 #[cfg(test)]
@@ -312,6 +370,12 @@ mod tests {
         let gone = writer.apply(1, &b, &watcher::Event::InitDone).gone;
         assert_eq!(gone, [ObjectKey::new("b", "y")]);
         assert_eq!(cache.len(), 3);
+        // A deletion from part 1 of an object of part 0's bucket (a policy relabelled into
+        // it, whose old part's watch says it left after the new one brought it): it stays.
+        writer.apply(0, &a, &watcher::Event::Apply(in_ns("a", "moved")));
+        writer.apply(1, &b, &watcher::Event::Delete(in_ns("a", "moved")));
+        assert!(cache.get(&ObjectKey::new("a", "moved")).is_some(), "not part 1's to let go of");
+        writer.apply(0, &a, &watcher::Event::Delete(in_ns("a", "moved")));
         let mut dropped = writer.drop_scope(&a);
         dropped.sort();
         assert_eq!(dropped, [ObjectKey::new("a", "x"), ObjectKey::new("a", "y")]);

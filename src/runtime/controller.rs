@@ -29,10 +29,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 use super::backoff::Backoff;
-use super::cache::Cache;
+use super::cache::{Cache, Entry, Stored};
 use super::child_versions::{CHILD_KINDS, ChildVersions, KnownBefore};
 use super::key::ObjectKey;
-use super::parts::{Buckets, Slice, Slicing};
+use super::parts::{Buckets, Slice};
 use super::predicate::{List, Sight};
 use super::queue::{Priority, WorkQueue};
 use super::watch::{Cached, ChildEvent};
@@ -52,9 +52,15 @@ pub enum Action {
 }
 
 /// The business logic plugged into the runtime.
-pub trait Reconciler<K>: Send + Sync + 'static {
-    /// Reconciles `object`, whose key is `key` (the cache's own, so whatever keeps it shares it).
-    fn reconcile(&self, key: &ObjectKey, object: Arc<K>) -> impl Future<Output = Result<Action>> + Send;
+pub trait Reconciler<S>: Send + Sync + 'static {
+    /// Reconciles `object`, whose key is `key` (the cache's own, so whatever keeps it shares
+    /// it) and whose bucket, as the API server's filter saw it, is `bucket`.
+    fn reconcile(
+        &self,
+        key: &ObjectKey,
+        object: Arc<S>,
+        bucket: Option<u16>,
+    ) -> impl Future<Output = Result<Action>> + Send;
     /// The watch says the object is gone (deleted, or out of the slice): drop any state kept
     /// for it.
     fn forget(&self, key: &ObjectKey);
@@ -74,23 +80,24 @@ pub struct Settings {
 /// The buckets whose objects the cache holds a completed list of (`None` before the first).
 pub type Listed = tokio::sync::watch::Receiver<Option<Buckets>>;
 
-pub struct Controller<K: Resource<DynamicType = ()> + 'static> {
+pub struct Controller<S: Stored> {
     settings: Settings,
     queue: Arc<WorkQueue<ObjectKey>>,
     primary_listed: tokio::sync::watch::Sender<Option<Buckets>>,
     /// The buckets each child watch holds a completed list of, by kind; a worker waits until
     /// every kind has listed its object's bucket.
     children_listed: tokio::sync::watch::Sender<BTreeMap<&'static str, Buckets>>,
-    cache: Cache<K>,
+    cache: Cache<S>,
     metrics: ControllerMetrics,
     health: Arc<Health>,
 }
 
-impl<K> Controller<K>
+impl<S> Controller<S>
 where
-    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    S: Stored,
+    S::Object: Resource<DynamicType = ()> + Send + Sync + 'static,
 {
-    pub fn new(settings: Settings, cache: Cache<K>, health: Arc<Health>) -> Self {
+    pub fn new(settings: Settings, cache: Cache<S>, health: Arc<Health>) -> Self {
         let queue = Arc::new(WorkQueue::new(settings.backoff, QueueMetrics::new(settings.name)));
         let metrics = ControllerMetrics::new(settings.name, settings.workers);
         metrics::set_cache_synced(settings.name, false);
@@ -106,11 +113,11 @@ where
 
     /// Runs until `shutdown`, then drains; returns whether every in-flight reconcile finished.
     /// `primary` must be the stream that feeds `cache`.
-    pub async fn run<R: Reconciler<K>>(
+    pub async fn run<R: Reconciler<S>>(
         self,
-        primary: impl Stream<Item = Cached<K>> + Send + 'static,
+        primary: impl Stream<Item = Cached<S::Object>> + Send + 'static,
         children: Vec<BoxStream<'static, ChildEvent>>,
-        (slice, slicing): (Slice, Slicing),
+        slice: Slice,
         child_versions: Arc<ChildVersions>,
         reconciler: Arc<R>,
         shutdown: CancellationToken,
@@ -127,12 +134,11 @@ where
         }
         let workers: Vec<_> = (0..this.settings.workers)
             .map(|_| {
-                let (slice, slicing) = (slice.clone(), slicing.clone());
-                // The object's bucket as the API server's filter sees it. An object no longer
-                // cached, or whose bucket is not in the slice (any more), has nothing to wait
-                // for: the worker finds it gone, or the write gate skips it.
-                let children_listed = move |object: Option<&K>, listed: &BTreeMap<_, Buckets>| {
-                    let Some(bucket) = object.and_then(|o| slicing.bucket_of(o.meta())) else { return true };
+                let slice = slice.clone();
+                // An object no longer cached, or whose bucket is not in the slice (any more),
+                // has nothing to wait for: the worker finds it gone, or the write gate skips it.
+                let children_listed = move |bucket: Option<u16>, listed: &BTreeMap<_, Buckets>| {
+                    let Some(bucket) = bucket else { return true };
                     let listed = listed.len() == child_kinds && listed.values().all(|b| b.contains(&bucket));
                     listed || !slice.borrow().as_ref().is_some_and(|owned| owned.contains(&bucket))
                 };
@@ -157,9 +163,9 @@ where
     /// it (deleted, gone from a relist, or out of the slice). Only the watch can say so: a
     /// worker that misses an object in the cache may be early (the list that brings it has
     /// not completed).
-    async fn feed_primary<R: Reconciler<K>>(
+    async fn feed_primary<R: Reconciler<S>>(
         self: Arc<Self>,
-        primary: impl Stream<Item = Cached<K>> + Send,
+        primary: impl Stream<Item = Cached<S::Object>> + Send,
         reconciler: Arc<R>,
     ) {
         // What each part's list under way found; the cache publishes a list only when it
@@ -308,18 +314,18 @@ where
         }
     }
 
-    async fn work<R: Reconciler<K>>(
+    async fn work<R: Reconciler<S>>(
         self: Arc<Self>,
         reconciler: Arc<R>,
-        children_listed: impl Fn(Option<&K>, &BTreeMap<&'static str, Buckets>) -> bool,
+        children_listed: impl Fn(Option<u16>, &BTreeMap<&'static str, Buckets>) -> bool,
         shutdown: CancellationToken,
     ) {
         let mut listed = self.children_listed.subscribe();
         while let Some(key) = self.queue.get().await {
-            let object = self.cache.get(&key);
+            let bucket = self.cache.entry(&key).and_then(|entry| entry.bucket);
             tokio::select! {
                 // The sender lives as long as `self`, so this cannot fail.
-                _ = listed.wait_for(|listed| children_listed(object.as_deref(), listed)) => {}
+                _ = listed.wait_for(|listed| children_listed(bucket, listed)) => {}
                 // A list that never completes must not hold up the drain.
                 _ = shutdown.cancelled() => {
                     self.queue.done(&key);
@@ -333,27 +339,27 @@ where
         }
     }
 
-    async fn process<R: Reconciler<K>>(&self, key: &ObjectKey, reconciler: &R) {
-        let Some(object) = self.cache.get(key) else {
+    async fn process<R: Reconciler<S>>(&self, key: &ObjectKey, reconciler: &R) {
+        let Some(Entry { object, bucket }) = self.cache.entry(key) else {
             self.queue.forget(key);
             return;
         };
         let span = tracing::info_span!(
             "reconcile",
             object = %key,
-            generation = object.meta().generation,
+            generation = object.generation(),
             result = field::Empty,
             duration_ms = field::Empty,
         );
         let started = Instant::now();
         let timeout = self.settings.reconcile_timeout;
         let reconcile =
-            AssertUnwindSafe(reconciler.reconcile(key, object.clone())).catch_unwind().instrument(span.clone());
+            AssertUnwindSafe(reconciler.reconcile(key, object, bucket)).catch_unwind().instrument(span.clone());
         let outcome = match tokio::time::timeout(timeout, reconcile).await {
             Ok(Ok(outcome)) => outcome,
             Ok(Err(panic)) => {
                 self.metrics.panicked();
-                Err(Error::Panicked(panic_message(panic.as_ref())))
+                Err(Error::panicked(panic.as_ref()))
             }
             Err(_) => Err(Error::Timeout(timeout)),
         };
@@ -411,14 +417,6 @@ fn listed_without(listed: &mut Option<Buckets>, buckets: &Buckets) {
     }
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
-        (Some(message), _) => message.to_string(),
-        (_, Some(message)) => message.clone(),
-        _ => "a panic without a message".into(),
-    }
-}
-
 /// When to look again at an object that was not ours to reconcile.
 const NOT_OURS_RETRY: Duration = Duration::from_secs(5);
 
@@ -439,7 +437,7 @@ mod tests {
     struct PanicsOnce(AtomicUsize);
 
     impl Reconciler<ConfigMap> for PanicsOnce {
-        async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>) -> Result<Action> {
+        async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>, _: Option<u16>) -> Result<Action> {
             if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
                 panic!("a bug in the reconcile");
             }
@@ -480,10 +478,8 @@ mod tests {
         let children = Vec::new();
         let versions = Arc::new(ChildVersions::default());
         let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([0])));
-        let slicing = Slicing::new(|_| Some(0), |_| 0, |_| None);
-        let sharding = (slice, slicing);
         let run =
-            tokio::spawn(controller.run(primary, children, sharding, versions, reconciler.clone(), shutdown.clone()));
+            tokio::spawn(controller.run(primary, children, slice, versions, reconciler.clone(), shutdown.clone()));
         // The paused clock jumps over the backoff; a wedged key would never be called again.
         for _ in 0..600 {
             if reconciler.0.load(Ordering::SeqCst) >= 2 {

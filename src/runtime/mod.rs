@@ -1,13 +1,14 @@
 //! The controller runtime, in pipeline order: [`watch`] sources of the slice's [`parts`] feed
-//! a trimmed [`cache`], which judges each event with the [`predicate`] and feeds the
+//! a [`cache`] of compact copies, which judges each event with the [`predicate`] and feeds the
 //! [`queue`]; the [`controller`]'s workers take keys from it and call a
 //! [`controller::Reconciler`]. Nothing here knows about traffic policies.
 //!
 //! Why not kube-runtime's `Controller` (`for_stream`, `owns_stream`, `graceful_shutdown_on`)?
 //! Its watches and backoff are used here; its reflector store and controller are not. The
 //! store keys each object by a copy of its name, namespace, resourceVersion and uid, where
-//! [`cache`] shares one small key with the queue and is the predicate's memory. And the
-//! operator needs what its controller lacks:
+//! [`cache`] shares one small key with the queue, keeps objects in whatever form their
+//! reconcile needs (see [`cache::Stored`]), and is the predicate's memory. And the operator
+//! needs what its controller lacks:
 //! - two priority lanes, so a real edit goes before a relist's or a handoff's backlog;
 //! - watches of a changing slice in parts, so that a handoff lists only what it moves, and
 //!   no reconcile of an object until the child watches have listed its part of the slice

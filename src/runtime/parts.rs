@@ -86,7 +86,12 @@ impl Scope {
     }
 
     pub fn covers(&self, meta: &ObjectMeta) -> bool {
-        self.slicing.bucket_of(meta).is_some_and(|bucket| self.buckets.contains(&bucket))
+        self.holds(self.slicing.bucket_of(meta))
+    }
+
+    /// Whether `bucket` (an object's, as [`Self::bucket_of`] gave it) is one of the scope's.
+    pub fn holds(&self, bucket: Option<u16>) -> bool {
+        bucket.is_some_and(|bucket| self.buckets.contains(&bucket))
     }
 
     /// The bucket of an object, as the scope's slicing says.

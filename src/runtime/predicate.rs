@@ -12,6 +12,7 @@
 
 use kube::Resource;
 
+use super::cache::Stored;
 use super::queue::Priority;
 
 /// What an event shows about an object, against what was seen before.
@@ -26,12 +27,12 @@ pub enum Sight {
 }
 
 /// How `object` differs from `cached`, what was last seen under its name.
-pub fn sight<K: Resource>(cached: Option<&K>, object: &K) -> Sight {
+pub fn sight<S: Stored>(cached: Option<&S>, object: &S::Object) -> Sight {
     let Some(cached) = cached else { return Sight::New };
-    let (was, now) = (cached.meta(), object.meta());
-    if was.uid != now.uid {
+    let now = object.meta();
+    if !cached.has_uid(now.uid.as_deref()) {
         Sight::New
-    } else if was.generation != now.generation {
+    } else if cached.generation() != now.generation {
         Sight::Changed
     } else {
         Sight::Same
@@ -75,7 +76,7 @@ mod tests {
     #[test]
     fn tells_a_new_object_from_a_new_generation() {
         let first = object("u1", 1);
-        assert_eq!(sight(None, &first), Sight::New, "first sight");
+        assert_eq!(sight::<ConfigMap>(None, &first), Sight::New, "first sight");
         assert_eq!(sight(Some(&first), &object("u1", 1)), Sight::Same, "status, label or annotation update");
         assert_eq!(sight(Some(&first), &object("u1", 2)), Sight::Changed, "spec change");
         // Deleted and created again while the watch was down: a relist shows generation 1 again.

@@ -1,4 +1,4 @@
-//! Watch sources: the primary resource into a trimmed cache, and children as
+//! Watch sources: the primary resource into the cache, and children as
 //! metadata-only events that point at their owner.
 //!
 //! Both come from a watch of this replica's slice in parts (see [`super::parts`]): the API
@@ -13,7 +13,7 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
-use super::cache::{Applied, CacheWriter};
+use super::cache::{Applied, CacheWriter, Stored};
 use super::child_versions::stamped_content;
 use super::key::ObjectKey;
 use super::parts::{Scope, SliceEvent};
@@ -64,23 +64,21 @@ pub enum Cached<K> {
     Closed { part: u64 },
 }
 
-/// Watch events of the primary resource, applied to `writer`'s cache as they pass, each
-/// object passed through `trim` first (see [`trim`] for what any resource can lose). Each
-/// event comes with what `is_backlog` said of its object before the trim (a hint the cache
-/// need not keep; see [`super::controller`] for its use).
-pub fn primary<K>(
-    events: BoxStream<'static, SliceEvent<K>>,
-    trim: fn(&mut K),
-    is_backlog: fn(&K) -> bool,
-    mut writer: CacheWriter<K>,
-) -> impl Stream<Item = Cached<K>> + Send
+/// Watch events of the primary resource, applied to `writer`'s cache as they pass, in the
+/// form it stores. Each event comes with what `is_backlog` said of its object (a hint the
+/// cache need not keep; see [`super::controller`] for its use).
+pub fn primary<S>(
+    events: BoxStream<'static, SliceEvent<S::Object>>,
+    is_backlog: fn(&S::Object) -> bool,
+    mut writer: CacheWriter<S>,
+) -> impl Stream<Item = Cached<S::Object>> + Send
 where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    S: Stored,
+    S::Object: Resource<DynamicType = ()> + DeserializeOwned + Debug + Send + Sync + 'static,
 {
     events.map(move |event| match event {
         SliceEvent::Part { part, scope, event } => {
             let backlog = matches!(&event, watcher::Event::Apply(object) if is_backlog(object));
-            let event = event.modify(trim);
             let Applied { key, sight, gone } = writer.apply(part, &scope, &event);
             Cached::Event { part, scope, event, key, sight, backlog, gone }
         }

@@ -6,7 +6,7 @@
 //! kube-rs controller is written: full objects cached, every event reconciled.
 //!
 //! `--trimmed`: what the operator's runtime does besides its own queue and workers, on
-//! kube-runtime's: the policy cache trimmed as the operator trims it, only spec changes
+//! kube-runtime's: the policy cache trimmed of managed fields and last-applied, only spec changes
 //! (generation) reconciled, and children watched as metadata only with the operator's label
 //! selector (`for_stream`, `owns_stream`). Comparing the operator with this peer isolates
 //! what the operator's queue, predicate and controller buy over kube-runtime's.
