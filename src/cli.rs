@@ -124,11 +124,13 @@ pub struct RunArgs {
     pub shard_mode: crate::coordination::mode::Requested,
 
     /// API requests per second this replica may make for its work (watches, reconciles,
-    /// labelling, events), as client-go's `--kube-api-qps`. Lease renewals are not counted.
-    #[arg(long, env = "TPO_KUBE_API_QPS", default_value = "500")]
-    pub kube_api_qps: NonZeroU32,
+    /// labelling, events), as client-go's `--kube-api-qps`; Lease renewals are not counted.
+    /// `off` for no client-side limit; `auto`: off where the API server applies Priority and
+    /// Fairness (it then queues and sheds load itself), 500 otherwise.
+    #[arg(long, env = "TPO_KUBE_API_QPS", default_value = "auto")]
+    pub kube_api_qps: crate::client::RateLimit,
 
-    /// Requests the rate limit lets through at once before `--kube-api-qps` applies.
+    /// Requests the rate limit lets through at once, when a limit applies.
     #[arg(long, env = "TPO_KUBE_API_BURST", default_value = "1000")]
     pub kube_api_burst: NonZeroU32,
 

@@ -1,14 +1,19 @@
-//! The API clients. Work (watches, reconciles, labelling, events) goes through a token
-//! bucket, as client-go's `--kube-api-qps` and `--kube-api-burst` do, so that one replica
-//! cannot flood the API server. Coordination (Lease renewals, leader election, the member
-//! and assignment watches and writes) has a client of its own without it: a burst of work
-//! must never make a renewal late. Both keep kube-client's default retry of 429, 503 and
-//! 504, with backoff that honours the server's Retry-After.
+//! The API clients. Work (watches, reconciles, labelling, events) may go through a token
+//! bucket, as client-go's `--kube-api-qps` and `--kube-api-burst` do. By default the bucket
+//! is there only where the API server does not apply API Priority and Fairness: where it
+//! does, the server queues and sheds load fairly itself, and a fixed client-side rate would
+//! only hold a replica below what the server has room for (SIG API Machinery's advice, which
+//! controller-runtime follows since v0.21). Coordination (Lease renewals, leader election,
+//! the member and assignment watches and writes) has a client of its own without it: a burst
+//! of work must never make a renewal late. Both keep kube-client's default retry of 429, 503
+//! and 504, with backoff that honours the server's Retry-After.
 
+use std::fmt;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::path::Path;
 use std::pin::Pin;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
@@ -25,13 +30,92 @@ pub struct Clients {
 }
 
 impl Clients {
-    pub fn new(config: kube::Config, qps: NonZeroU32, burst: NonZeroU32) -> anyhow::Result<Self> {
+    /// Both clients; with `RateLimit::Auto`, asks the API server first whether it applies
+    /// Priority and Fairness. The limit in force is logged and exported.
+    pub async fn connect(config: kube::Config, limit: RateLimit, burst: NonZeroU32) -> anyhow::Result<Self> {
         let coordination = ClientBuilder::try_from(config.clone())?.with_layer(&RequestMetrics).build();
-        let limiter = Arc::new(RateLimiter::direct(Quota::per_second(qps).allow_burst(burst)));
-        let work =
-            ClientBuilder::try_from(config)?.with_layer(&RequestMetrics).with_layer(&TokenBucket(limiter)).build();
+        let qps = match limit {
+            RateLimit::PerSecond(qps) => Some(qps),
+            RateLimit::Off => None,
+            RateLimit::Auto => match server_applies_fairness(&coordination).await {
+                Ok(true) => None,
+                Ok(false) => Some(RateLimit::FALLBACK),
+                Err(error) => {
+                    tracing::warn!(%error, "cannot tell whether the API server applies Priority and Fairness");
+                    Some(RateLimit::FALLBACK)
+                }
+            },
+        };
+        match qps {
+            Some(qps) => tracing::info!(qps, burst, requested = %limit, "client-side rate limit on"),
+            None => {
+                tracing::info!(requested = %limit, "client-side rate limit off: the API server's Priority and Fairness applies")
+            }
+        }
+        crate::telemetry::metrics::set_client_rate_limit(qps.map_or(0, NonZeroU32::get));
+        let work = ClientBuilder::try_from(config)?.with_layer(&RequestMetrics);
+        let work = match qps {
+            Some(qps) => {
+                let limiter = Arc::new(RateLimiter::direct(Quota::per_second(qps).allow_burst(burst)));
+                work.with_layer(&TokenBucket(limiter)).build()
+            }
+            None => work.build(),
+        };
         Ok(Self { work, coordination })
     }
+}
+
+/// `--kube-api-qps`: requests per second, `off`, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RateLimit {
+    /// Off where the API server applies Priority and Fairness, [`RateLimit::FALLBACK`] otherwise.
+    Auto,
+    Off,
+    PerSecond(NonZeroU32),
+}
+
+impl RateLimit {
+    /// The limit `auto` sets where the server does not apply Priority and Fairness.
+    pub const FALLBACK: NonZeroU32 = NonZeroU32::new(500).unwrap();
+}
+
+impl FromStr for RateLimit {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Off),
+            number => number
+                .parse()
+                .map(Self::PerSecond)
+                .map_err(|_| format!("{s:?}: expected requests per second (at least 1), `off` or `auto`")),
+        }
+    }
+}
+
+impl fmt::Display for RateLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Off => f.write_str("off"),
+            Self::PerSecond(qps) => write!(f, "{qps}"),
+        }
+    }
+}
+
+/// Whether the API server applies Priority and Fairness: it then names, in every response,
+/// the FlowSchema that classified the request. (`/version` needs no permission beyond being
+/// authenticated.)
+async fn server_applies_fairness(client: &Client) -> Result<bool, kube::Error> {
+    let request =
+        http::Request::get("/version").body(kube::client::Body::from(Vec::new())).map_err(kube::Error::HttpError)?;
+    let response = client.send(request).await?;
+    Ok(names_a_flow_schema(response.headers()))
+}
+
+fn names_a_flow_schema(headers: &http::HeaderMap) -> bool {
+    headers.contains_key("x-kubernetes-pf-flowschema-uid")
 }
 
 /// `client` with `name=value` added to the query of every request it sends: for a request
@@ -177,5 +261,25 @@ mod tests {
         // Five at once, then four more at 20 per second: at least 150 ms (the first of them may
         // be nearly due). A lower bound only: a slow machine cannot make it fail.
         assert!(started.elapsed() >= Duration::from_millis(150), "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn the_rate_limit_flag_reads_a_number_off_or_auto() {
+        assert_eq!("auto".parse(), Ok(RateLimit::Auto));
+        assert_eq!("off".parse(), Ok(RateLimit::Off));
+        assert_eq!("40".parse(), Ok(RateLimit::PerSecond(NonZeroU32::new(40).unwrap())));
+        for bad in ["0", "-1", "fast", ""] {
+            let error = bad.parse::<RateLimit>().unwrap_err();
+            assert!(error.contains("expected requests per second"), "{bad}: {error}");
+        }
+        assert_eq!(RateLimit::PerSecond(NonZeroU32::new(40).unwrap()).to_string(), "40");
+    }
+
+    #[test]
+    fn priority_and_fairness_shows_in_the_flow_schema_header() {
+        let mut headers = http::HeaderMap::new();
+        assert!(!names_a_flow_schema(&headers));
+        headers.insert("X-Kubernetes-PF-FlowSchema-UID", "f602d14c".parse().unwrap());
+        assert!(names_a_flow_schema(&headers), "header names are case-insensitive");
     }
 }

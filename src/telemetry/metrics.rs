@@ -52,6 +52,10 @@ pub async fn upkeep(handle: PrometheusHandle) {
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     PROCESS.describe();
+    describe_gauge!(
+        "traffic_policy_client_rate_limit_qps",
+        "Requests a second the work client may make (--kube-api-qps as resolved); 0 when off."
+    );
     describe_gauge!("traffic_policy_shard_mode", "1 for the sharding mode in use: labels or shard-selector.");
     describe_gauge!("workqueue_depth", "Current depth of the work queue, by lane (priority).");
     describe_counter!("rest_client_requests_total", "API requests, by method and status code.");
@@ -133,6 +137,11 @@ pub fn set_members_alive(count: usize) {
 }
 
 /// 1 for the sharding mode in use (`labels` or `shard-selector`).
+/// The client-side rate limit in force, in requests per second; 0 when off.
+pub fn set_client_rate_limit(qps: u32) {
+    gauge!("traffic_policy_client_rate_limit_qps").set(f64::from(qps));
+}
+
 pub fn set_shard_mode(mode: &'static str) {
     gauge!("traffic_policy_shard_mode", "mode" => mode).set(1.0);
 }

@@ -1,12 +1,16 @@
-//! The client-side rate limit: it slows the work down, and never the Lease renewals.
+//! The client-side rate limit: it slows the work down, and never the Lease renewals; by
+//! default it is on only where the API server does not apply Priority and Fairness.
 
 use std::time::{Duration, Instant};
 
+use controlplane::{Config, ControlPlane};
 use kube::api::PostParams;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
 use crate::lifecycle::policy;
-use crate::support::{TestEnv, eventually_within};
+use crate::support::{Operator, TestEnv, eventually_within};
+
+const RATE_LIMIT: &str = "traffic_policy_client_rate_limit_qps";
 
 /// Four requests a second for the work: before the last of six policies is Ready, at least 18
 /// requests go out (two applies and a status write each; the start-up lists and watches and
@@ -18,6 +22,7 @@ use crate::support::{TestEnv, eventually_within};
 async fn the_rate_limit_slows_the_work_but_not_the_lease_renewals() {
     let env = TestEnv::new("e2e-throttled").await;
     let operator = env.start_operator(&["--kube-api-qps=4", "--kube-api-burst=1"]).await;
+    assert_eq!(operator.metric(RATE_LIMIT, None), 4.0, "a limit given is a limit kept");
     let policies = env.api::<ApplicationTrafficPolicy>();
     let started = Instant::now();
     for i in 0..6 {
@@ -47,4 +52,34 @@ async fn the_rate_limit_slows_the_work_but_not_the_lease_renewals() {
          the Lease held throughout",
         took.as_secs_f64()
     );
+}
+
+/// kube-apiserver applies Priority and Fairness by default, so the shared control plane gets
+/// no client-side limit from `auto`; a server started without it gets the fallback of 500.
+/// Each replica reads it from the server's own responses, before its first watch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_limits_the_rate_only_where_the_server_lacks_priority_and_fairness() {
+    let env = TestEnv::new("e2e-rate-auto").await;
+    let operator = env.start_operator(&[]).await;
+    assert_eq!(operator.metric(RATE_LIMIT, None), 0.0, "off where the server applies Priority and Fairness");
+
+    let config = Config {
+        apiserver_args: vec!["--enable-priority-and-fairness=false".into()],
+        controller_manager: false,
+        ..Config::default()
+    };
+    let cp = tokio::task::spawn_blocking(|| ControlPlane::start(config)).await.unwrap().unwrap();
+    // The admin identity needs no RBAC; the replica will not get ready without the CRD, but
+    // it decides its rate limit first.
+    let args = ["--namespace=default".to_string(), "--watch-namespace=default".to_string()];
+    let without_fairness = Operator::spawn(&cp, &cp.kubeconfig_path(), "no-fairness", &args);
+    let limit = eventually_within(Duration::from_secs(60), "the replica exports its rate limit", || {
+        let text = without_fairness.get("/metrics").ok();
+        async move {
+            let line = text?.lines().find(|l| l.starts_with(RATE_LIMIT))?.to_string();
+            line.rsplit(' ').next()?.parse::<f64>().ok()
+        }
+    })
+    .await;
+    assert_eq!(limit, 500.0, "the fallback where the server lacks Priority and Fairness");
 }
