@@ -23,9 +23,9 @@ use kube::client::ClientBuilder;
 use tower::{Layer, Service};
 
 pub struct Clients {
-    /// Rate-limited.
+    /// Rate-limited when a limit applies.
     pub work: Client,
-    /// Not rate-limited: Leases and the assignment only.
+    /// Never rate-limited: Leases and the assignment only.
     pub coordination: Client,
 }
 
@@ -46,11 +46,10 @@ impl Clients {
                 }
             },
         };
-        match qps {
-            Some(qps) => tracing::info!(qps, burst, requested = %limit, "client-side rate limit on"),
-            None => {
-                tracing::info!(requested = %limit, "client-side rate limit off: the API server's Priority and Fairness applies")
-            }
+        match (qps, limit) {
+            (Some(qps), _) => tracing::info!(qps, burst, requested = %limit, "client-side rate limit on"),
+            (None, RateLimit::Off) => tracing::info!("client-side rate limit off, as asked"),
+            (None, _) => tracing::info!("client-side rate limit off: the API server applies Priority and Fairness"),
         }
         crate::telemetry::metrics::set_client_rate_limit(qps.map_or(0, NonZeroU32::get));
         let work = ClientBuilder::try_from(config)?.with_layer(&RequestMetrics);
@@ -85,11 +84,12 @@ impl FromStr for RateLimit {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(Self::Auto),
-            "off" => Ok(Self::Off),
+            // -1 is client-go's and controller-runtime's way to say off.
+            "off" | "-1" => Ok(Self::Off),
             number => number
                 .parse()
                 .map(Self::PerSecond)
-                .map_err(|_| format!("{s:?}: expected requests per second (at least 1), `off` or `auto`")),
+                .map_err(|_| format!("{s:?}: expected requests per second (at least 1), `off` (or -1) or `auto`")),
         }
     }
 }
@@ -106,11 +106,12 @@ impl fmt::Display for RateLimit {
 
 /// Whether the API server applies Priority and Fairness: it then names, in every response,
 /// the FlowSchema that classified the request. (`/version` needs no permission beyond being
-/// authenticated.)
-async fn server_applies_fairness(client: &Client) -> Result<bool, kube::Error> {
-    let request =
-        http::Request::get("/version").body(kube::client::Body::from(Vec::new())).map_err(kube::Error::HttpError)?;
+/// authenticated.) A proxy in between that drops the header makes this say no, and the
+/// fallback limit then applies.
+async fn server_applies_fairness(client: &Client) -> anyhow::Result<bool> {
+    let request = http::Request::get("/version").body(kube::client::Body::from(Vec::new()))?;
     let response = client.send(request).await?;
+    anyhow::ensure!(response.status().is_success(), "GET /version answered {}", response.status());
     Ok(names_a_flow_schema(response.headers()))
 }
 
@@ -268,7 +269,8 @@ mod tests {
         assert_eq!("auto".parse(), Ok(RateLimit::Auto));
         assert_eq!("off".parse(), Ok(RateLimit::Off));
         assert_eq!("40".parse(), Ok(RateLimit::PerSecond(NonZeroU32::new(40).unwrap())));
-        for bad in ["0", "-1", "fast", ""] {
+        assert_eq!("-1".parse(), Ok(RateLimit::Off), "as client-go reads it");
+        for bad in ["0", "-2", "fast", ""] {
             let error = bad.parse::<RateLimit>().unwrap_err();
             assert!(error.contains("expected requests per second"), "{bad}: {error}");
         }

@@ -9,7 +9,8 @@
 //! - [`reconcile`]: the traffic-policy logic, desired objects from the spec (pure), then
 //!   apply, status and events;
 //! - [`telemetry`]: metrics, logs, and the admin server (`/livez`, `/readyz`, `/metrics`);
-//! - [`client`]: the API clients: rate-limited work, unlimited coordination;
+//! - [`client`]: the API clients: work (rate-limited where the server lacks Priority and
+//!   Fairness, or when asked), and never-limited coordination;
 //! - [`cli`]: flags and environment; [`manager`] wires these together, `main.rs` starts it.
 
 pub mod api;

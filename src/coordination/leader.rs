@@ -59,7 +59,8 @@ pub struct Leader {
 }
 
 impl Leader {
-    /// `client` for coordination; `labeller_client` (rate-limited) for labelling policies.
+    /// `client` for coordination; `labeller_client` (the work client, under its rate limit if
+    /// one applies) for labelling policies.
     pub fn new(
         client: Client,
         labeller_client: Client,

@@ -136,12 +136,12 @@ pub fn set_members_alive(count: usize) {
     gauge!("traffic_policy_members_alive").set(count as f64);
 }
 
-/// 1 for the sharding mode in use (`labels` or `shard-selector`).
 /// The client-side rate limit in force, in requests per second; 0 when off.
 pub fn set_client_rate_limit(qps: u32) {
     gauge!("traffic_policy_client_rate_limit_qps").set(f64::from(qps));
 }
 
+/// 1 for the sharding mode in use (`labels` or `shard-selector`).
 pub fn set_shard_mode(mode: &'static str) {
     gauge!("traffic_policy_shard_mode", "mode" => mode).set(1.0);
 }

@@ -22,7 +22,7 @@ const RATE_LIMIT: &str = "traffic_policy_client_rate_limit_qps";
 async fn the_rate_limit_slows_the_work_but_not_the_lease_renewals() {
     let env = TestEnv::new("e2e-throttled").await;
     let operator = env.start_operator(&["--kube-api-qps=4", "--kube-api-burst=1"]).await;
-    assert_eq!(operator.metric(RATE_LIMIT, None), 4.0, "a limit given is a limit kept");
+    assert_eq!(exported_limit(&operator), Some(4.0), "a limit given is a limit kept");
     let policies = env.api::<ApplicationTrafficPolicy>();
     let started = Instant::now();
     for i in 0..6 {
@@ -61,7 +61,7 @@ async fn the_rate_limit_slows_the_work_but_not_the_lease_renewals() {
 async fn auto_limits_the_rate_only_where_the_server_lacks_priority_and_fairness() {
     let env = TestEnv::new("e2e-rate-auto").await;
     let operator = env.start_operator(&[]).await;
-    assert_eq!(operator.metric(RATE_LIMIT, None), 0.0, "off where the server applies Priority and Fairness");
+    assert_eq!(exported_limit(&operator), Some(0.0), "off where the server applies Priority and Fairness");
 
     let config = Config {
         apiserver_args: vec!["--enable-priority-and-fairness=false".into()],
@@ -72,14 +72,25 @@ async fn auto_limits_the_rate_only_where_the_server_lacks_priority_and_fairness(
     // The admin identity needs no RBAC; the replica will not get ready without the CRD, but
     // it decides its rate limit first.
     let args = ["--namespace=default".to_string(), "--watch-namespace=default".to_string()];
-    let without_fairness = Operator::spawn(&cp, &cp.kubeconfig_path(), "no-fairness", &args);
-    let limit = eventually_within(Duration::from_secs(60), "the replica exports its rate limit", || {
-        let text = without_fairness.get("/metrics").ok();
-        async move {
-            let line = text?.lines().find(|l| l.starts_with(RATE_LIMIT))?.to_string();
-            line.rsplit(' ').next()?.parse::<f64>().ok()
+    let mut without_fairness = Operator::spawn(&cp, &cp.kubeconfig_path(), "no-fairness", &args);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let limit = loop {
+        if let Some(limit) = exported_limit(&without_fairness) {
+            break limit;
         }
-    })
-    .await;
+        if let Some(status) = without_fairness.process.exited() {
+            panic!("{}", without_fairness.process.failure(&format!("exited ({status})")));
+        }
+        assert!(Instant::now() < deadline, "{}", without_fairness.process.failure("no rate limit exported in time"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     assert_eq!(limit, 500.0, "the fallback where the server lacks Priority and Fairness");
+}
+
+/// The exported limit, if the replica's /metrics has the gauge (a sum would read a missing
+/// gauge as 0, which here means "off").
+fn exported_limit(operator: &Operator) -> Option<f64> {
+    let text = operator.get("/metrics").ok()?;
+    let line = text.lines().find(|l| l.split(' ').next() == Some(RATE_LIMIT))?;
+    line.rsplit(' ').next()?.parse().ok()
 }
