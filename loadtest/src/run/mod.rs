@@ -1,0 +1,432 @@
+//! `loadtest run`: N policies on a fresh local control plane, converged either by the
+//! operator (R replicas, as separate processes) or, in `floor` mode, by the tool itself
+//! making the operator's writes at full concurrency (what the API server can do for this
+//! work). Convergence is seen through a watch: a policy counts once its status is Ready for
+//! its latest generation. Everything it creates lives in its own control plane, which is
+//! torn down at the end, also on Ctrl-C.
+
+mod replicas;
+mod workload;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::ValueEnum;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ObjectMeta, PostParams};
+use serde_json::json;
+
+use crate::sample::{self, Sample};
+pub use replicas::{Replica, Watched, start_replica};
+use replicas::{controller_runtime_peer, sample_loop, start_peer, start_replicas};
+pub use workload::{
+    Tracker, create_all, edit_and_wait, edit_during_backlog, edit_percentiles, latency_percentiles, progress, track,
+    wait_pending,
+};
+use workload::{delete_all, update_some, wait_converged};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// The operator converges the policies.
+    Operator,
+    /// The tool makes the operator's writes itself (two applies, a status patch and an event per policy).
+    Floor,
+    /// The same reconcile on controller-runtime (loadtest/peers/controller-runtime), one process.
+    ControllerRuntime,
+    /// The same reconcile on a plain kube-rs `Controller` (the `kube-rs-peer` binary), one process.
+    KubeRs,
+    /// The same reconcile on kube-runtime's `Controller` with the operator's trimming, generation
+    /// predicate and metadata-only child watches (`kube-rs-peer --trimmed`), one process.
+    KubeRsTrimmed,
+}
+
+/// How the operator's replicas select their slices (operator mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Sharding {
+    /// kube-apiserver runs with `ShardedListAndWatch`; the operator uses shard selectors.
+    ShardSelector,
+    /// kube-apiserver without the gate; the operator's leader labels every policy.
+    Labels,
+}
+
+impl Sharding {
+    /// The shard selector, unless `TPO_TEST_SHARDED_LIST_AND_WATCH=off` (as for the suites).
+    fn from_env() -> Self {
+        if controlplane::sharded_list_and_watch() { Sharding::ShardSelector } else { Sharding::Labels }
+    }
+
+    fn name(self) -> String {
+        self.to_possible_value().expect("plain variants").get_name().to_string()
+    }
+}
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    #[arg(long, default_value_t = 1000)]
+    pub objects: usize,
+    /// The sharding mode of the local control plane and the operator.
+    #[arg(long, value_enum, default_value_t = Sharding::from_env())]
+    pub sharding: Sharding,
+    #[arg(long, default_value_t = 50)]
+    pub namespaces: usize,
+    /// Namespace sizes follow Zipf's law with this exponent (the i-th largest holds a share
+    /// proportional to 1/i^s) instead of being equal.
+    #[arg(long)]
+    pub zipf: Option<f64>,
+    #[arg(long, value_enum, default_value = "operator")]
+    pub mode: Mode,
+    /// Operator replicas (operator mode).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Workers per replica (operator mode).
+    #[arg(long, default_value_t = 8)]
+    pub workers: u16,
+    /// Requests the tool keeps in flight while creating (and, in floor mode, writing).
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// After everything converged, change this fraction of the specs and converge again.
+    #[arg(long, default_value_t = 0.0)]
+    pub update_fraction: f64,
+    /// Chaos: SIGKILL replica 0 this many seconds into the run, then start it again.
+    #[arg(long)]
+    pub kill_after: Option<f64>,
+    /// The operator binary (default: next to this one).
+    #[arg(long)]
+    pub operator_binary: Option<PathBuf>,
+    /// Create every policy before the controller starts, so it begins with a full backlog.
+    #[arg(long)]
+    pub preload: bool,
+    /// While the backlog is worked off, edit this many policies one at a time (100 ms apart)
+    /// and report their latency separately: real changes should not wait behind the backlog.
+    #[arg(long, default_value_t = 0)]
+    pub edits: usize,
+    /// After convergence (operator mode), count what the API server receives when nothing
+    /// changes: a forced resync of every policy, then a rolling restart of every replica.
+    /// Needs `--resync-seconds`.
+    #[arg(long, requires = "resync_seconds")]
+    pub at_rest: bool,
+    /// After convergence (operator mode), one more replica joins and leaves again while
+    /// single edits go on: the policies each handoff lists against those it moves, and the
+    /// edits' latency.
+    #[arg(long)]
+    pub handoff: bool,
+    /// The replicas' `--resync-period`, in seconds (default: the operator's).
+    #[arg(long)]
+    pub resync_seconds: Option<u64>,
+    /// At the end, delete every policy and wait until the watch has seen them all go.
+    #[arg(long)]
+    pub delete: bool,
+    /// After convergence (and balancing), leave the replicas idle this long, so that the
+    /// last memory sample (`final_rss_bytes`) is the RSS at rest rather than at the peak.
+    /// With --at-rest or --delete, the last sample is taken after those instead.
+    #[arg(long, default_value_t = 0)]
+    pub idle_seconds: u64,
+    /// Give up when not converged after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    pub timeout_seconds: u64,
+    #[arg(long, default_value = "target/loadtest/run.json")]
+    pub out: PathBuf,
+    /// Aim at an existing cluster where the operator already runs, instead of starting a
+    /// local control plane: nothing there is started or stopped; the run's own namespaces
+    /// are deleted at the end.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// With --kubeconfig: the operator's namespace, whose pods' metrics give the queue depth.
+    #[arg(long, default_value = "traffic-policy-operator", requires = "kubeconfig")]
+    pub operator_namespace: String,
+    /// Thresholds (YAML: convergence_p99_seconds, max_errors, max_queue_depth); the run
+    /// exits non-zero when one is missed and prints which.
+    #[arg(long)]
+    pub slo: Option<PathBuf>,
+    /// Where the run's namespaces are: this prefix and a number.
+    #[arg(skip = String::from("load-"))]
+    pub namespace_prefix: String,
+    /// The run's id, as a label on its policies (with --kubeconfig).
+    #[arg(skip)]
+    pub run_label: Option<String>,
+}
+
+impl Args {
+    /// The name of namespace number `n`.
+    pub fn namespace_name(&self, n: usize) -> String {
+        // Not ending in the number: the shard selector's hash (FNV-1a) puts names that differ
+        // only in their last character in very few buckets (docs/sharding.md).
+        format!("{}{}-ns", self.namespace_prefix, n)
+    }
+
+    /// The namespace of policy number `i`.
+    pub fn namespace_of(&self, i: usize) -> String {
+        let n = match self.zipf {
+            None => i % self.namespaces,
+            Some(s) => zipf_rank(i, self.namespaces, s),
+        };
+        self.namespace_name(n)
+    }
+}
+
+/// The namespace of policy `i` when namespace `n` holds a share proportional to 1/(n+1)^s.
+/// Policies are dealt along a low-discrepancy sequence (multiples of the golden ratio), so
+/// consecutive policies land in different namespaces and every prefix of a run is Zipf too.
+fn zipf_rank(i: usize, namespaces: usize, s: f64) -> usize {
+    let weight = |n: usize| 1.0 / ((n + 1) as f64).powf(s);
+    let total: f64 = (0..namespaces).map(weight).sum();
+    let u = ((i as f64 + 0.5) * 0.618_033_988_749_895).fract() * total;
+    let mut cumulative = 0.0;
+    for n in 0..namespaces {
+        cumulative += weight(n);
+        if u < cumulative {
+            return n;
+        }
+    }
+    namespaces - 1
+}
+
+/// Where the replicas keep their Leases and the assignment.
+pub const OPERATOR_NAMESPACE: &str = "tpo-system";
+
+pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
+    if args.kubeconfig.is_some() {
+        return crate::cluster::run(args).await;
+    }
+    // Built before any clock starts: a first build must not count as the peer's time.
+    if args.mode == Mode::ControllerRuntime {
+        controller_runtime_peer()?;
+    }
+    let feature_gates = match args.sharding {
+        Sharding::ShardSelector => vec![controlplane::SHARDED_LIST_AND_WATCH.to_string()],
+        Sharding::Labels => vec![],
+    };
+    let config = controlplane::Config {
+        controller_manager: false,
+        apiserver_args: vec!["--max-requests-inflight=800".into(), "--max-mutating-requests-inflight=400".into()],
+        feature_gates,
+        ..Default::default()
+    };
+    let cp = tokio::task::spawn_blocking(move || controlplane::ControlPlane::start(config)).await??;
+    eprintln!("control plane: {}", cp.dir().display());
+    let outcome = tokio::select! {
+        result = drive(&cp, &args) => result,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted; cleaning up")),
+    };
+    // Dropping the control plane removes every object and its directory.
+    tokio::task::spawn_blocking(move || drop(cp)).await?;
+    outcome
+}
+
+async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<serde_json::Value> {
+    let client = cp.client().await?;
+    crate::cache_bytes::install_crd(&client).await?;
+    for n in 0..args.namespaces {
+        let ns = Namespace {
+            metadata: ObjectMeta { name: Some(args.namespace_name(n)), ..Default::default() },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    }
+    let tracker = Arc::new(Mutex::new(Tracker::default()));
+    let watch = tokio::spawn(track(client.clone(), tracker.clone(), None));
+    let started = Instant::now();
+    if args.preload {
+        create_all(&client, args, &tracker).await?;
+    }
+    let mut replicas = match args.mode {
+        Mode::Operator => start_replicas(cp, &client, args).await?,
+        Mode::Floor => Vec::new(),
+        Mode::ControllerRuntime | Mode::KubeRs | Mode::KubeRsTrimmed => vec![start_peer(cp, args)?],
+    };
+    let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
+    let pids: Watched =
+        Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.metrics_port)).collect()));
+    let sampler = tokio::spawn(sample_loop(pids.clone(), samples.clone(), started));
+
+    let ticker = progress(args.objects, tracker.clone())?;
+
+    let kill = args.kill_after.map(|after| started + Duration::from_secs_f64(after));
+    if !args.preload {
+        create_all(&client, args, &tracker).await?;
+    }
+    let creation_seconds = started.elapsed().as_secs_f64();
+    let edit_latencies = edit_during_backlog(&client, args, &tracker).await?;
+    wait_converged(&tracker, args, &mut replicas, cp, kill, &pids).await?;
+    let converge_seconds = started.elapsed().as_secs_f64();
+
+    let mut update_seconds = None;
+    if args.update_fraction > 0.0 {
+        let count = ((args.objects as f64) * args.update_fraction).round() as usize;
+        let update_started = Instant::now();
+        update_some(&client, args, count, &tracker).await?;
+        wait_converged(&tracker, args, &mut replicas, cp, None, &pids).await?;
+        update_seconds = Some(update_started.elapsed().as_secs_f64());
+    }
+    let mut balance = None;
+    if args.mode == Mode::Operator && replicas.len() > 1 {
+        eprintln!("waiting until the slices are balanced...");
+        balance = Some(crate::balance::settle(&client, args, OPERATOR_NAMESPACE, Duration::from_secs(300)).await?);
+    }
+    if args.idle_seconds > 0 {
+        eprintln!("converged; sampling memory while idle for {} s...", args.idle_seconds);
+        tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
+    }
+    let mut at_rest = None;
+    if args.at_rest && args.mode == Mode::Operator {
+        at_rest = Some(crate::at_rest::measure(cp, &client, args, &mut replicas, &pids).await?);
+    }
+    let mut handoff = None;
+    if args.handoff && args.mode == Mode::Operator {
+        handoff = Some(crate::handoff::measure(cp, &client, args, &mut replicas, &pids, &tracker).await?);
+    }
+    let mut delete_seconds = None;
+    if args.delete {
+        let delete_started = Instant::now();
+        delete_all(&client, args, &tracker).await?;
+        delete_seconds = Some(delete_started.elapsed().as_secs_f64());
+    }
+    ticker.abort();
+    // The cache gauges refresh every 5 s: let the samples catch up with the settled state.
+    let settle = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < settle && args.mode == Mode::Operator {
+        let cached: f64 = replicas
+            .iter()
+            .map(|r| {
+                sample::metric(
+                    &controlplane::http_get_plain(r.metrics_port, "/metrics").unwrap_or_default(),
+                    "traffic_policy_cached_objects",
+                )
+            })
+            .sum();
+        if cached as usize == args.objects {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sampler.abort();
+    watch.abort();
+    for replica in &mut replicas {
+        replica.process.stop(Duration::from_secs(20));
+    }
+
+    let tracker = tracker.lock().unwrap();
+    let samples = samples.lock().unwrap().clone();
+    let per_replica: Vec<serde_json::Value> = pids
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, _, _)| {
+            let mine: Vec<&Sample> = samples.iter().filter(|s| &s.replica == name).collect();
+            json!({
+                "replica": name,
+                "cpu_seconds": mine.iter().map(|s| s.cpu_seconds).fold(0.0, f64::max),
+                "peak_rss_bytes": mine.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
+                "final_rss_bytes": mine.last().map(|s| s.rss_bytes).unwrap_or(0),
+                "final_cached_objects": mine.last().map(|s| s.cached_objects).unwrap_or(0.0),
+                "final_metrics_series": mine.last().map(|s| s.series).unwrap_or(0),
+            })
+        })
+        .collect();
+    let converged = tracker.converged.len();
+    crate::chart::write(&args.out.with_extension("svg"), &samples, &tracker.converged, started, args.objects)?;
+    let result = json!({
+        "mode": args.mode.to_possible_value().expect("plain variants").get_name().to_string(),
+        "sharding": args.sharding.name(),
+        "objects": args.objects,
+        "namespaces": args.namespaces,
+        "replicas": replicas.len(),
+        "workers": args.workers,
+        "converged": converged,
+        "creation_seconds": creation_seconds,
+        "convergence_seconds": converge_seconds,
+        "update_seconds": update_seconds,
+        "delete_seconds": delete_seconds,
+        "edit_latency_ms": edit_percentiles(edit_latencies),
+        "at_rest": at_rest,
+        "handoff": handoff,
+        "balance": balance,
+        "throughput_per_second": args.objects as f64 / converge_seconds,
+        "latency_ms": latency_percentiles(&tracker.latencies_ms),
+        "replica_stats": per_replica,
+        "samples": samples,
+    });
+    anyhow::ensure!(converged == args.objects, "only {converged} of {} policies converged", args.objects);
+    Ok(result)
+}
+
+/// The text summary of one result.
+pub fn summary(result: &serde_json::Value) -> String {
+    if result["mode"] == "cluster" {
+        return format!(
+            "run {} on the cluster: {} of {} policies converged in {:.1} s; latency p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms; \
+             {} not Ready; deepest high-priority queue {}\n",
+            result["run"].as_str().unwrap_or_default(),
+            result["converged"],
+            result["objects"],
+            result["convergence_seconds"].as_f64().unwrap_or_default(),
+            result["latency_ms"]["p50"].as_f64().unwrap_or_default(),
+            result["latency_ms"]["p95"].as_f64().unwrap_or_default(),
+            result["latency_ms"]["p99"].as_f64().unwrap_or_default(),
+            result["errors"],
+            match result["max_queue_depth"].as_f64() {
+                Some(depth) => depth.to_string(),
+                None => format!("unknown ({})", result["queue_depth_error"].as_str().unwrap_or("no sample")),
+            },
+        );
+    }
+    let mut text = format!(
+        "{} mode, {} policies in {} namespaces, {} replicas: converged {} in {:.1} s ({:.0}/s); latency p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms\n",
+        result["mode"].as_str().unwrap_or_default(),
+        result["objects"],
+        result["namespaces"],
+        result["replicas"],
+        result["converged"],
+        result["convergence_seconds"].as_f64().unwrap_or_default(),
+        result["throughput_per_second"].as_f64().unwrap_or_default(),
+        result["latency_ms"]["p50"].as_f64().unwrap_or_default(),
+        result["latency_ms"]["p95"].as_f64().unwrap_or_default(),
+        result["latency_ms"]["p99"].as_f64().unwrap_or_default(),
+    );
+    if let Some(at_rest) = result["at_rest"].as_object() {
+        for (phase, what) in [("resync", "a forced resync"), ("rolling_restart", "a rolling restart")] {
+            let w = &at_rest[phase];
+            text += &format!(
+                "  at rest, {what}: {} child applies, {} status writes: {:.4} writes per policy\n",
+                w["child_applies"],
+                w["status_writes"],
+                w["writes_per_policy"].as_f64().unwrap_or_default()
+            );
+        }
+    }
+    if result["handoff"].is_object() {
+        text += &crate::handoff::summary(&result["handoff"]);
+    }
+    if let Some(b) = result["balance"].as_object() {
+        let ratio = b["largest_over_mean"].as_f64().unwrap_or_default();
+        let slices: Vec<String> =
+            b["policies_per_replica"].as_array().into_iter().flatten().map(|n| n.to_string()).collect();
+        text += &format!(
+            "  slices: {} policies ({}), largest / mean {ratio:.3} (target {}: {}; by bucket count alone: {:.3}), settled {:.1} s after convergence at assignment generation {}\n",
+            slices.join(" / "),
+            if b["by_objects"].as_bool() == Some(true) { "balanced by objects" } else { "balanced by buckets" },
+            crate::balance::TARGET,
+            if ratio <= crate::balance::TARGET { "pass" } else { "fail" },
+            b["by_bucket_count_largest_over_mean"].as_f64().unwrap_or_default(),
+            b["settled_seconds"].as_f64().unwrap_or_default(),
+            b["generation"],
+        );
+    }
+    for r in result["replica_stats"].as_array().into_iter().flatten() {
+        // A peer serves no /metrics, so it has no cache figure to show.
+        let cached = match r["final_metrics_series"].as_u64().unwrap_or(0) {
+            0 => String::new(),
+            _ => format!(", {:.0} cached", r["final_cached_objects"].as_f64().unwrap_or_default()),
+        };
+        text += &format!(
+            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB, last {:.1} MiB{cached}\n",
+            r["replica"].as_str().unwrap_or_default(),
+            r["cpu_seconds"].as_f64().unwrap_or_default(),
+            r["peak_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
+            r["final_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
+        );
+    }
+    text
+}
