@@ -15,14 +15,14 @@
 //!   (what makes "write only what changed" safe across handoffs);
 //! - the write gate, checked per write, that ties every write to a confirmed Lease.
 //!
-//! And it costs less. `loadtest compare` at 20,000 policies (docs/benchmarks.md, 2026-12-02)
-//! ran kube-runtime's `Controller` with this runtime's trimming, generation predicate and
-//! metadata-only child watches, and the same reconcile: against it, the operator (one
-//! replica, which also records an event per policy) used 0.64 × the CPU-seconds and
-//! 0.61 × the peak RSS, and converged in 0.94 × the time (0.78, 0.91 and 0.85 the day
-//! before, when the operator's events still went through kube's event recorder).
-//! kube-runtime's unbounded concurrency gave it a lower median latency (4.0 s against 91 s
-//! with 8 workers) at a longer total.
+//! And it costs less. `loadtest compare` at 20,000 policies (docs/benchmarks.md, 2026-12-02,
+//! on the compact cache) ran kube-runtime's `Controller` with this runtime's trimming,
+//! generation predicate and metadata-only child watches, and the same reconcile: against it,
+//! the operator (one replica, which also records an event per policy) used 0.47 × the
+//! CPU-seconds and 0.35 × the peak RSS, and converged in 0.72 × the time (0.64, 0.61 and
+//! 0.94 in the morning's run, before the compact cache). kube-runtime's unbounded
+//! concurrency gave it a lower median latency (4.0 s against 79 s with 8 workers) at a
+//! longer total.
 
 pub mod backoff;
 pub mod cache;
