@@ -86,22 +86,27 @@ async fn write_round(client: &Client, writes: usize, epoch: &mut u64) -> anyhow:
 }
 
 fn fencing_objects() -> anyhow::Result<Vec<DynamicObject>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/components/fencing/fencing.yaml");
+    deploy_objects("components/fencing/fencing.yaml")
+}
+
+/// The objects of a YAML file under deploy/.
+pub fn deploy_objects(file: &str) -> anyhow::Result<Vec<DynamicObject>> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
     let text = std::fs::read_to_string(&path)?;
     serde_yaml::Deserializer::from_str(&text).map(|d| Ok(DynamicObject::deserialize(d)?)).collect()
 }
 
 /// Installs (or removes) the policy and its binding, and waits until writes see the change.
 async fn install(client: &Client, objects: &[DynamicObject], present: bool) -> anyhow::Result<()> {
-    for object in objects {
-        let types = object.types.clone().expect("apiVersion and kind");
-        let (group, version) = types.api_version.split_once('/').unwrap_or(("", &types.api_version));
-        let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, &types.kind));
-        let api = Api::<DynamicObject>::all_with(client.clone(), &resource);
-        if present {
-            api.patch(&object.name_any(), &PatchParams::apply("loadtest").force(), &Patch::Apply(object)).await?;
-        } else if let Err(kube::Error::Api(s)) = api.delete(&object.name_any(), &DeleteParams::default()).await {
-            anyhow::ensure!(s.code == 404, "deleting {}: {}", object.name_any(), s.message);
+    if present {
+        apply_objects(client, objects).await?;
+    } else {
+        for object in objects {
+            if let Err(kube::Error::Api(s)) =
+                api_for(client, object).delete(&object.name_any(), &DeleteParams::default()).await
+            {
+                anyhow::ensure!(s.code == 404, "deleting {}: {}", object.name_any(), s.message);
+            }
         }
     }
     // The policy takes effect asynchronously: probe with a write that only it refuses.
@@ -125,6 +130,23 @@ async fn install(client: &Client, objects: &[DynamicObject], present: bool) -> a
         anyhow::ensure!(Instant::now() < deadline, "the fencing policy did not take effect in 30 s");
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
+}
+
+/// Server-side applies cluster-scoped objects of any kind.
+pub async fn apply_objects(client: &Client, objects: &[DynamicObject]) -> anyhow::Result<()> {
+    for object in objects {
+        api_for(client, object)
+            .patch(&object.name_any(), &PatchParams::apply("loadtest").force(), &Patch::Apply(object))
+            .await?;
+    }
+    Ok(())
+}
+
+fn api_for(client: &Client, object: &DynamicObject) -> Api<DynamicObject> {
+    let types = object.types.clone().expect("apiVersion and kind");
+    let (group, version) = types.api_version.split_once('/').unwrap_or(("", &types.api_version));
+    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, &types.kind));
+    Api::<DynamicObject>::all_with(client.clone(), &resource)
 }
 
 fn median(values: &mut [f64]) -> f64 {

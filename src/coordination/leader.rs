@@ -1,6 +1,7 @@
 //! Leader election and the leader's singleton duties: publishing the assignment (in this
-//! process's sharding mode: a change of mode revokes every bucket first), labelling new
-//! policies in label mode (see [`super::labeller`]) and collecting abandoned member Leases.
+//! process's sharding mode: a change of mode revokes every bucket first), bucket labels in
+//! label mode (see [`super::namespace_labels`] and [`super::labeller`]) and collecting
+//! abandoned member Leases.
 //!
 //! The leader is elected with kube-leader-election's `LeaseLock`, with the incarnation as
 //! holder. That library can let two candidates believe they won for a moment, so nothing
@@ -27,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::follower::AssignmentView;
 use super::labeller::label_unlabeled_policies;
 use super::members::{Members, lease_state};
+use super::namespace_labels::label_namespaces;
 use super::ownership::Ownership;
 use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
 use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, plan};
@@ -120,7 +122,12 @@ impl Leader {
                     // With the shard selector, watches select by namespace: nothing to label.
                     if self.ownership.mode() == Mode::Labels {
                         let (client, namespace) = (self.labeller_client.clone(), self.config.watch_namespace.clone());
-                        labeler = Some(tokio::spawn(label_unlabeled_policies(client, namespace)));
+                        labeler = Some(tokio::spawn(async move {
+                            tokio::join!(
+                                label_namespaces(client.clone(), namespace.clone()),
+                                label_unlabeled_policies(client, namespace)
+                            );
+                        }));
                     }
                 }
                 self.publish(None).await;

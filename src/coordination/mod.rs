@@ -2,8 +2,9 @@
 //! - [`lease`]: this incarnation's member Lease: renewal cycles (renew, then read the
 //!   assignment with a quorum read), acknowledgements, release;
 //! - [`members`]: a watch of every member Lease into the local membership table;
-//! - [`leader`]: leader election, and the leader's duties: publishing the assignment and
-//!   labelling new policies with their bucket;
+//! - [`leader`]: leader election, and the leader's duties: publishing the assignment and,
+//!   in label mode, bucket labels ([`namespace_labels`] on namespaces, for deploy/'s
+//!   admission policy; [`labeller`] on each policy that came without one);
 //! - [`follower`]: applying the published assignment to this replica (re-target the
 //!   watches at once, drain what was lost, acknowledge);
 //! - [`ownership`]: what this replica may write right now, with the fencing epoch;
@@ -22,6 +23,7 @@ pub mod lease;
 pub mod load;
 pub mod members;
 pub mod mode;
+pub mod namespace_labels;
 pub mod ownership;
 pub mod status;
 

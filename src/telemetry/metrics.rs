@@ -108,6 +108,10 @@ fn describe() {
     );
     describe_counter!("controller_runtime_reconcile_panics_total", "Reconciles that panicked (caught and retried).");
     describe_counter!("traffic_policy_bucket_labels_total", "Policies the leader labelled with their bucket.");
+    describe_counter!(
+        "traffic_policy_namespace_labels_total",
+        "Namespaces the leader labelled with their bucket, for the bucket-label admission policy."
+    );
     describe_gauge!(
         "traffic_policy_unlabelled_policies",
         "Policies waiting for their bucket label (reported by the leader; 0 elsewhere)."
@@ -188,7 +192,7 @@ pub fn count_listed(resource: &str) {
     counter!("traffic_policy_listed_objects_total", "resource" => resource.to_string()).increment(1);
 }
 
-/// Labelling a policy with its bucket failed (it is retried).
+/// Labelling a policy (retried) or a namespace with its bucket failed.
 pub fn count_bucket_label_error() {
     counter!("traffic_policy_bucket_label_errors_total").increment(1);
 }
@@ -207,6 +211,10 @@ pub fn set_unlabelled(count: usize) {
 
 pub fn count_bucket_label() {
     counter!("traffic_policy_bucket_labels_total").increment(1);
+}
+
+pub fn count_namespace_label() {
+    counter!("traffic_policy_namespace_labels_total").increment(1);
 }
 
 /// Keys waiting, per lane: `workqueue_depth{priority="high"|"low"}`.

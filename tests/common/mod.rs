@@ -124,12 +124,14 @@ async fn install_once(cp: &'static ControlPlane) {
             let crd: CustomResourceDefinition = read_yaml("crds/applicationtrafficpolicies.trafficpolicy.dev.yaml");
             let crds = Api::<CustomResourceDefinition>::all(client.clone());
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
-            // The fencing policy, as deploy/ installs it.
-            let fencing =
-                std::fs::read_to_string(Path::new(REPO).join("deploy/components/fencing/fencing.yaml")).unwrap();
-            for document in serde_yaml::Deserializer::from_str(&fencing) {
-                let object = serde_yaml::Value::deserialize(document).unwrap();
-                apply_dynamic(&client, &object).await;
+            // The admission policies deploy/ installs: fencing, and bucket labels.
+            for component in ["fencing/fencing.yaml", "bucket-labels/bucket-labels.yaml"] {
+                let path = Path::new(REPO).join("deploy/components").join(component);
+                let text = std::fs::read_to_string(path).unwrap();
+                for document in serde_yaml::Deserializer::from_str(&text) {
+                    let object = serde_yaml::Value::deserialize(document).unwrap();
+                    apply_dynamic(&client, &object).await;
+                }
             }
             // deploy/base/flowschema.yaml, for every service account: each test runs its operators
             // under accounts of its own.

@@ -53,6 +53,12 @@ async fn the_kustomization_passes_a_server_side_dry_run_without_pod_security_war
     println!("{out}{err}");
     assert!(ok, "dry-run of deploy/ failed without the monitoring CRDs: {err}");
     assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
+    for policy in [
+        "validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-fencing",
+        "mutatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-bucket-label",
+    ] {
+        assert!(out.contains(policy), "deploy/ does not install {policy}: {out}");
+    }
     assert!(!out.contains("monitoring.coreos.com"), "deploy/ installs monitoring objects: {out}");
     // (kubectl's own notes about last-applied annotations on objects the harness installed
     // may appear; pod-security warnings must not.)

@@ -2,6 +2,7 @@
 //! One test process shares one control plane; each test has its own namespace and
 //! its own operator process scoped to it.
 
+mod bucket_labels;
 mod lifecycle;
 mod metrics;
 mod mode;

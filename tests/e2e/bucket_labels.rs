@@ -1,0 +1,52 @@
+//! Label mode's bucket labels are set by the API server at admission: the leader labels each
+//! namespace once, and deploy/'s MutatingAdmissionPolicy copies that label onto every policy
+//! written there, so the leader patches no policy and a new policy is in its owner's watch
+//! from its first write.
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::sharding::bucket::{BUCKET_LABEL, BUCKETS, bucket_of, label_value};
+
+use crate::lifecycle::policy;
+use crate::support::{TestEnv, eventually};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_carries_its_bucket_label_from_its_first_write() {
+    let env = TestEnv::new("e2e-bucket-labels").await;
+    // Label mode, whatever the shared control plane offers.
+    let operator = env.start_operator(&["--shard-mode=labels"]).await;
+    let namespaces = Api::<Namespace>::all(env.client.clone());
+    let bucket = label_value(bucket_of(&env.namespace));
+    let namespace_labelled = || async {
+        let ns = namespaces.get(&env.namespace).await.ok()?;
+        (ns.labels().get(BUCKET_LABEL) == Some(&bucket)).then_some(())
+    };
+    eventually("the leader labels the namespace with its bucket", namespace_labelled).await;
+
+    // The API server's answer to the create carries the label: it was set at admission, not
+    // patched on afterwards.
+    let policies = env.api::<ApplicationTrafficPolicy>();
+    let created = policies.create(&PostParams::default(), &policy("web", 80)).await.unwrap();
+    assert_eq!(created.labels().get(BUCKET_LABEL), Some(&bucket), "labels at creation: {:?}", created.labels());
+    env.wait_ready("web", ConditionStatus::True).await;
+
+    // A label changed or removed by hand is put back by the same write.
+    let other = label_value((bucket_of(&env.namespace) + 1) % BUCKETS);
+    for label in [json!(other), json!(null)] {
+        let patch = json!({ "metadata": { "labels": { BUCKET_LABEL: label } } });
+        let edited = policies.patch("web", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+        assert_eq!(edited.labels().get(BUCKET_LABEL), Some(&bucket), "after setting {label}: {:?}", edited.labels());
+    }
+
+    // The namespace's label removed by hand: the leader puts it back.
+    let unlabel = json!({ "metadata": { "labels": { BUCKET_LABEL: null } } });
+    namespaces.patch(&env.namespace, &PatchParams::default(), &Patch::Merge(&unlabel)).await.unwrap();
+    eventually("the leader labels the namespace again", namespace_labelled).await;
+    let namespace_labels = operator.metric("traffic_policy_namespace_labels_total", None);
+    assert!(namespace_labels >= 2.0, "the namespace was labelled {namespace_labels} times");
+    let policy_labels = operator.metric("traffic_policy_bucket_labels_total", None);
+    assert_eq!(policy_labels, 0.0, "the leader patched {policy_labels} policies with their label");
+}
