@@ -118,7 +118,7 @@ pub struct RunArgs {
     pub rebalance_min_objects: u64,
 
     /// How a replica's watches select its slice: `shard-selector` (the API server's
-    /// ShardedListAndWatch), `labels` (bucket labels set by the leader), or `auto` (the shard
+    /// ShardedListAndWatch), `labels` (bucket labels), or `auto` (the shard
     /// selector if the server honours it). Every replica of a fleet must end up in one mode.
     #[arg(long, env = "TPO_SHARD_MODE", value_enum, default_value = "auto")]
     pub shard_mode: crate::coordination::mode::Requested,

@@ -3,15 +3,14 @@
 //! rounds that alternate with and without the ValidatingAdmissionPolicy installed, so
 //! that both sides see the same machine load; the figure is the ratio of the medians.
 
-use std::path::Path;
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use kube::api::{Api, DeleteParams, DynamicObject, GroupVersionKind, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::core::ApiResource;
+use kube::api::{Api, DeleteParams, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use serde::Deserialize;
 use serde_json::json;
+
+use crate::deploy;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -86,24 +85,17 @@ async fn write_round(client: &Client, writes: usize, epoch: &mut u64) -> anyhow:
 }
 
 fn fencing_objects() -> anyhow::Result<Vec<DynamicObject>> {
-    deploy_objects("components/fencing/fencing.yaml")
-}
-
-/// The objects of a YAML file under deploy/.
-pub fn deploy_objects(file: &str) -> anyhow::Result<Vec<DynamicObject>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
-    let text = std::fs::read_to_string(&path)?;
-    serde_yaml::Deserializer::from_str(&text).map(|d| Ok(DynamicObject::deserialize(d)?)).collect()
+    deploy::objects("components/fencing/fencing.yaml")
 }
 
 /// Installs (or removes) the policy and its binding, and waits until writes see the change.
 async fn install(client: &Client, objects: &[DynamicObject], present: bool) -> anyhow::Result<()> {
     if present {
-        apply_objects(client, objects).await?;
+        deploy::apply(client, objects).await?;
     } else {
         for object in objects {
             if let Err(kube::Error::Api(s)) =
-                api_for(client, object).delete(&object.name_any(), &DeleteParams::default()).await
+                deploy::api_for(client, object).delete(&object.name_any(), &DeleteParams::default()).await
             {
                 anyhow::ensure!(s.code == 404, "deleting {}: {}", object.name_any(), s.message);
             }
@@ -130,23 +122,6 @@ async fn install(client: &Client, objects: &[DynamicObject], present: bool) -> a
         anyhow::ensure!(Instant::now() < deadline, "the fencing policy did not take effect in 30 s");
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
-}
-
-/// Server-side applies cluster-scoped objects of any kind.
-pub async fn apply_objects(client: &Client, objects: &[DynamicObject]) -> anyhow::Result<()> {
-    for object in objects {
-        api_for(client, object)
-            .patch(&object.name_any(), &PatchParams::apply("loadtest").force(), &Patch::Apply(object))
-            .await?;
-    }
-    Ok(())
-}
-
-fn api_for(client: &Client, object: &DynamicObject) -> Api<DynamicObject> {
-    let types = object.types.clone().expect("apiVersion and kind");
-    let (group, version) = types.api_version.split_once('/').unwrap_or(("", &types.api_version));
-    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, &types.kind));
-    Api::<DynamicObject>::all_with(client.clone(), &resource)
 }
 
 fn median(values: &mut [f64]) -> f64 {

@@ -7,6 +7,7 @@ mod cache_bytes;
 mod chart;
 mod cluster;
 mod compare;
+mod deploy;
 mod fencing_cost;
 mod handoff;
 mod ownership_cost;

@@ -1,5 +1,8 @@
 //! The leader's labelling duty: every policy gets its bucket label, so that each replica's
-//! watches can ask the API server for its own buckets only.
+//! watches can ask the API server for its own buckets only. Where the bucket-label admission
+//! policy is installed, the API server sets the label as policies are written (see
+//! [`super::namespace_labels`]), and this labels only what came without one: policies
+//! written before their namespace was labelled, as after a preload.
 //!
 //! A policy an unlabelled-policy watch *event* reports (created, or edited while still
 //! unlabelled) is labelled before the backlog of the initial list: a user waiting on an edit
@@ -196,27 +199,32 @@ impl Pending {
 
 /// Keys whose labelling failed for a reason other than throttling (RBAC, a webhook): each is
 /// tried again after its own exponential backoff, so a failure that lasts never turns into
-/// a hot loop of patches.
+/// a hot loop of patches. (The namespace labeller keeps one too, keyed by namespace.)
 #[derive(Default)]
-struct Retries {
-    due: DelayQueue<Key>,
-    failures: HashMap<Key, u32>,
+pub(super) struct Retries<K> {
+    due: DelayQueue<K>,
+    failures: HashMap<K, u32>,
     backoff: Backoff,
 }
 
-impl Retries {
-    fn later(&mut self, key: Key) {
+impl<K: Clone + Eq + std::hash::Hash> Retries<K> {
+    pub(super) fn later(&mut self, key: K) {
         let failures = self.failures.entry(key.clone()).or_insert(0);
         *failures += 1;
         self.due.insert(key, self.backoff.delay(*failures));
     }
 
-    fn forget(&mut self, key: &Key) {
+    pub(super) fn forget(&mut self, key: &K) {
         self.failures.remove(key);
     }
 
+    /// Whether `key` has failed since it last succeeded (its retry is due or pending).
+    pub(super) fn failing(&self, key: &K) -> bool {
+        self.failures.contains_key(key)
+    }
+
     /// The next key whose backoff has passed; pending forever while none waits.
-    async fn next_due(&mut self) -> Option<Key> {
+    pub(super) async fn next_due(&mut self) -> Option<K> {
         match std::future::poll_fn(|cx| self.due.poll_expired(cx)).await {
             Some(expired) => Some(expired.into_inner()),
             None => std::future::pending().await,

@@ -96,7 +96,7 @@ impl Leader {
     pub async fn run(&self, stop: CancellationToken) -> bool {
         let mut leading_until: Option<Instant> = None;
         let mut next_attempt = Instant::now();
-        let mut labeler: Option<tokio::task::JoinHandle<()>> = None;
+        let mut labelling: Option<tokio::task::JoinHandle<()>> = None;
         let mut was_leading = false;
         let mut members_changed = self.members.subscribe();
         let mut view_changed = self.view.subscribe();
@@ -122,7 +122,7 @@ impl Leader {
                     // With the shard selector, watches select by namespace: nothing to label.
                     if self.ownership.mode() == Mode::Labels {
                         let (client, namespace) = (self.labeller_client.clone(), self.config.watch_namespace.clone());
-                        labeler = Some(tokio::spawn(async move {
+                        labelling = Some(tokio::spawn(async move {
                             tokio::join!(
                                 label_namespaces(client.clone(), namespace.clone()),
                                 label_unlabeled_policies(client, namespace)
@@ -134,7 +134,7 @@ impl Leader {
                 self.collect_abandoned().await;
             } else if was_leading {
                 tracing::info!("no longer the leader");
-                if let Some(task) = labeler.take() {
+                if let Some(task) = labelling.take() {
                     task.abort();
                 }
                 m::set_unlabelled(0);
@@ -146,7 +146,7 @@ impl Leader {
                 _ = members_changed.changed() => {}
                 _ = view_changed.changed() => {}
                 _ = stop.cancelled() => {
-                    if let Some(task) = labeler.take() {
+                    if let Some(task) = labelling.take() {
                         task.abort();
                     }
                     return self.leading(leading_until);

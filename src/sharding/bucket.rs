@@ -2,7 +2,8 @@
 //!
 //! Two modes, one per fleet (the assignment says which):
 //! - **labels**: the bucket is `xxh3_64(namespace) mod BUCKETS`. It is written as a label on
-//!   every policy (by the leader) and on every child (by the reconcile), so that each
+//!   every policy (by the API server at admission, from the namespace's label, or else by the
+//!   leader) and on every child (by the reconcile), so that each
 //!   replica's watches ask the API server for its own buckets only. `xxh3` is specified and
 //!   stable across Rust releases, unlike std's `DefaultHasher`.
 //! - **shard selector**: the bucket is a range of the API server's own namespace hash, and
@@ -30,7 +31,7 @@ pub type Bucket = u16;
 /// How buckets are computed and how a replica's watches select its slice.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Mode {
-    /// The bucket label, set by the leader (any API server).
+    /// The bucket label (any API server).
     #[default]
     Labels,
     /// The API server's shard selector (kube-apiserver with `ShardedListAndWatch`).

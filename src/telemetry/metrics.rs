@@ -213,6 +213,7 @@ pub fn count_bucket_label() {
     counter!("traffic_policy_bucket_labels_total").increment(1);
 }
 
+/// The leader labelled a namespace with its bucket (for the bucket-label admission policy).
 pub fn count_namespace_label() {
     counter!("traffic_policy_namespace_labels_total").increment(1);
 }

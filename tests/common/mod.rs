@@ -74,14 +74,18 @@ impl TestEnv {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// A ServiceAccount bound to deploy/'s ClusterRole (or to `cluster_grants` when given)
+    /// A ServiceAccount bound to deploy/'s ClusterRoles, the bucket-label component's included
+    /// (or to `cluster_grants` when given)
     /// and to deploy/'s Role in this namespace, which serves as the operator's namespace.
     pub async fn operator_identity(&self, name: &str, cluster_grants: Option<Vec<Grant>>) -> controlplane::Identity {
         let mut role: Role = read_yaml("deploy/base/role.yaml");
         role.metadata.namespace = Some(self.namespace.clone());
         let apply = PatchParams::apply("e2e-tests").force();
         self.api::<Role>().patch(&role.name_any(), &apply, &Patch::Apply(&role)).await.unwrap();
-        let mut grants = cluster_grants.unwrap_or_else(|| vec![Grant::ClusterRole(operator_cluster_role().name_any())]);
+        let mut grants = cluster_grants.unwrap_or_else(|| {
+            let deployed = [operator_cluster_role(), read_yaml(NAMESPACE_LABELS_ROLE)];
+            deployed.iter().map(|role| Grant::ClusterRole(role.name_any())).collect()
+        });
         grants.push(Grant::Role { namespace: self.namespace.clone(), name: role.name_any() });
         self.cp.identity(&self.namespace, name, &grants).await.unwrap()
     }
@@ -124,7 +128,7 @@ async fn install_once(cp: &'static ControlPlane) {
             let crd: CustomResourceDefinition = read_yaml("crds/applicationtrafficpolicies.trafficpolicy.dev.yaml");
             let crds = Api::<CustomResourceDefinition>::all(client.clone());
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
-            // The admission policies deploy/ installs: fencing, and bucket labels.
+            // The admission policies of deploy/'s components: fencing, and bucket labels.
             for component in ["fencing/fencing.yaml", "bucket-labels/bucket-labels.yaml"] {
                 let path = Path::new(REPO).join("deploy/components").join(component);
                 let text = std::fs::read_to_string(path).unwrap();
@@ -152,14 +156,29 @@ async fn install_once(cp: &'static ControlPlane) {
             }
             let schemas = Api::<FlowSchema>::all(client.clone());
             schemas.patch(&schema.name_any(), &apply, &Patch::Apply(&schema)).await.unwrap();
-            let role = operator_cluster_role();
-            Api::<ClusterRole>::all(client.clone())
-                .patch(&role.name_any(), &apply, &Patch::Apply(&role))
-                .await
-                .unwrap();
+            for role in [operator_cluster_role(), read_yaml(NAMESPACE_LABELS_ROLE)] {
+                Api::<ClusterRole>::all(client.clone())
+                    .patch(&role.name_any(), &apply, &Patch::Apply(&role))
+                    .await
+                    .unwrap();
+            }
             eventually("the CRD is established", || async {
                 let crd = crds.get(&crd.name_any()).await.ok()?;
                 crd.status?.conditions?.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(())
+            })
+            .await;
+            // The bucket-label policy refuses writes of policies (503) until the API server has
+            // loaded the CRD's schema for admission: a dry-run create tells when it has.
+            let probe = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), "default");
+            let dry_run = PostParams { dry_run: true, ..Default::default() };
+            eventually("the API server admits policies", || async {
+                let policy: ApplicationTrafficPolicy = serde_json::from_value(serde_json::json!({
+                    "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+                    "metadata": { "name": "admission-probe" },
+                    "spec": { "applicationSelector": { "matchLabels": { "app": "probe" } } }
+                }))
+                .unwrap();
+                probe.create(&dry_run, &policy).await.ok().map(|_| ())
             })
             .await;
         })
@@ -177,6 +196,9 @@ async fn apply_dynamic(client: &Client, object: &serde_yaml::Value) {
     let apply = PatchParams::apply("e2e-tests").force();
     api.patch(&object.name_any(), &apply, &Patch::Apply(&object)).await.unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// The bucket-label component's grant to label namespaces.
+const NAMESPACE_LABELS_ROLE: &str = "deploy/components/bucket-labels/clusterrole.yaml";
 
 pub fn operator_cluster_role() -> ClusterRole {
     read_yaml("deploy/base/clusterrole.yaml")

@@ -53,13 +53,22 @@ async fn the_kustomization_passes_a_server_side_dry_run_without_pod_security_war
     println!("{out}{err}");
     assert!(ok, "dry-run of deploy/ failed without the monitoring CRDs: {err}");
     assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
-    for policy in [
-        "validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-fencing",
-        "mutatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-bucket-label",
-    ] {
-        assert!(out.contains(policy), "deploy/ does not install {policy}: {out}");
-    }
+    assert!(out.contains("validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-fencing"), "{out}");
     assert!(!out.contains("monitoring.coreos.com"), "deploy/ installs monitoring objects: {out}");
+    assert!(!out.contains("bucket-label"), "deploy/ installs the bucket-label component, which needs 1.36: {out}");
+
+    // Bucket labels at admission: the policy, its binding and the grant to label namespaces.
+    let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/overlays/bucket-labels/"]);
+    assert!(ok, "dry-run of the bucket-labels overlay failed: {err}");
+    for object in [
+        "mutatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-bucket-label",
+        "mutatingadmissionpolicybinding.admissionregistration.k8s.io/trafficpolicy.dev-bucket-label",
+        "clusterrole.rbac.authorization.k8s.io/traffic-policy-operator-namespace-labels",
+        "clusterrolebinding.rbac.authorization.k8s.io/traffic-policy-operator-namespace-labels",
+        "statefulset.apps/traffic-policy-operator",
+    ] {
+        assert!(out.contains(object), "the bucket-labels overlay does not install {object}: {out}");
+    }
     // (kubectl's own notes about last-applied annotations on objects the harness installed
     // may appear; pod-security warnings must not.)
     assert!(!err.contains("PodSecurity"), "pod-security admission warned: {err}");

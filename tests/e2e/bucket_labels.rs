@@ -1,7 +1,7 @@
 //! Label mode's bucket labels are set by the API server at admission: the leader labels each
-//! namespace once, and deploy/'s MutatingAdmissionPolicy copies that label onto every policy
-//! written there, so the leader patches no policy and a new policy is in its owner's watch
-//! from its first write.
+//! namespace once, and the bucket-label component's MutatingAdmissionPolicy copies that label
+//! onto every policy written there, so the leader patches no policy and a new policy is in its
+//! owner's watch from its first write.
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::ResourceExt;
@@ -16,19 +16,27 @@ use crate::support::{TestEnv, eventually};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_carries_its_bucket_label_from_its_first_write() {
     let env = TestEnv::new("e2e-bucket-labels").await;
+    // A namespace outside the operator's --watch-namespace, which it must leave alone.
+    let sibling = TestEnv::new("e2e-bucket-labels-sibling").await;
     // Label mode, whatever the shared control plane offers.
     let operator = env.start_operator(&["--shard-mode=labels"]).await;
-    let namespaces = Api::<Namespace>::all(env.client.clone());
     let bucket = label_value(bucket_of(&env.namespace));
-    let namespace_labelled = || async {
-        let ns = namespaces.get(&env.namespace).await.ok()?;
-        (ns.labels().get(BUCKET_LABEL) == Some(&bucket)).then_some(())
-    };
-    eventually("the leader labels the namespace with its bucket", namespace_labelled).await;
-
-    // The API server's answer to the create carries the label: it was set at admission, not
-    // patched on afterwards.
     let policies = env.api::<ApplicationTrafficPolicy>();
+
+    // Admission reads namespaces from the API server's cache, so wait on what admission does:
+    // a dry-run create whose answer carries the label.
+    let dry_run = PostParams { dry_run: true, ..Default::default() };
+    eventually("the API server labels a new policy with its namespace's bucket", || async {
+        let answer = policies.create(&dry_run, &policy("web", 80)).await.ok()?;
+        (answer.labels().get(BUCKET_LABEL) == Some(&bucket)).then_some(())
+    })
+    .await;
+    let namespaces = Api::<Namespace>::all(env.client.clone());
+    let sibling_labels = namespaces.get(&sibling.namespace).await.unwrap().labels().clone();
+    assert!(!sibling_labels.contains_key(BUCKET_LABEL), "a namespace it does not watch was labelled");
+
+    // The API server's answer to the create carries the label: set at admission, not patched
+    // on afterwards.
     let created = policies.create(&PostParams::default(), &policy("web", 80)).await.unwrap();
     assert_eq!(created.labels().get(BUCKET_LABEL), Some(&bucket), "labels at creation: {:?}", created.labels());
     env.wait_ready("web", ConditionStatus::True).await;
@@ -44,9 +52,11 @@ async fn a_policy_carries_its_bucket_label_from_its_first_write() {
     // The namespace's label removed by hand: the leader puts it back.
     let unlabel = json!({ "metadata": { "labels": { BUCKET_LABEL: null } } });
     namespaces.patch(&env.namespace, &PatchParams::default(), &Patch::Merge(&unlabel)).await.unwrap();
-    eventually("the leader labels the namespace again", namespace_labelled).await;
-    let namespace_labels = operator.metric("traffic_policy_namespace_labels_total", None);
-    assert!(namespace_labels >= 2.0, "the namespace was labelled {namespace_labels} times");
+    eventually("the leader labels the namespace again", || async {
+        let labelled = namespaces.get(&env.namespace).await.ok()?.labels().get(BUCKET_LABEL) == Some(&bucket);
+        (labelled && operator.metric("traffic_policy_namespace_labels_total", None) == 2.0).then_some(())
+    })
+    .await;
     let policy_labels = operator.metric("traffic_policy_bucket_labels_total", None);
     assert_eq!(policy_labels, 0.0, "the leader patched {policy_labels} policies with their label");
 }

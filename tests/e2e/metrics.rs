@@ -47,8 +47,7 @@ async fn ordinary_work_shows_in_metrics() {
 }
 
 /// Watch errors by resource, labelling errors, unlabelled policies and 403s, from a replica
-/// whose role lacks the ConfigMap watch and the policy and namespace patches (without the
-/// namespace's bucket label, the admission policy cannot label the policy either).
+/// whose role lacks the ConfigMap watch and the policy patch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_prometheus_could_not_see_before_show_in_metrics() {
     let env = TestEnv::new("e2e-metrics-failing").await;
@@ -58,9 +57,7 @@ async fn failures_prometheus_could_not_see_before_show_in_metrics() {
             if resources.contains(&"configmaps".to_string()) {
                 rule.verbs.retain(|v| v != "list" && v != "watch");
             }
-            if resources.contains(&"applicationtrafficpolicies".to_string())
-                || resources.contains(&"namespaces".to_string())
-            {
+            if resources.contains(&"applicationtrafficpolicies".to_string()) {
                 rule.verbs.retain(|v| v != "patch");
             }
         })

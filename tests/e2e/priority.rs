@@ -18,7 +18,8 @@ const BACKLOG: usize = 300;
 async fn an_edit_goes_before_a_preloaded_backlog() {
     let env = TestEnv::new("e2e-priority").await;
     let policies = env.api::<ApplicationTrafficPolicy>();
-    // A preload: unlabelled policies that exist before the operator starts.
+    // A preload: unlabelled policies that exist before the operator starts (so before its
+    // leader labels the namespace, which would have the API server label them as created).
     let created = join_all((0..BACKLOG).map(|i| {
         let policies = policies.clone();
         async move { policies.create(&PostParams::default(), &policy(&format!("app-{i:03}"), 8000)).await }

@@ -217,18 +217,18 @@ pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
 async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<serde_json::Value> {
     let client = cp.client().await?;
     crate::cache_bytes::install_crd(&client).await?;
-    // As deploy/ installs it: in label mode, the API server copies each namespace's bucket
-    // label onto the policies written there.
-    if args.mode == Mode::Operator && args.sharding == Sharding::Labels {
-        let objects = crate::fencing_cost::deploy_objects("components/bucket-labels/bucket-labels.yaml")?;
-        crate::fencing_cost::apply_objects(&client, &objects).await?;
-    }
     for n in 0..args.namespaces {
         let ns = Namespace {
             metadata: ObjectMeta { name: Some(args.namespace_name(n)), ..Default::default() },
             ..Default::default()
         };
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    }
+    // As deploy/overlays/bucket-labels/ installs it: in label mode, the API server copies each
+    // namespace's bucket label onto the policies written there. (The replicas run as admin,
+    // so they need none of its grants.)
+    if args.mode == Mode::Operator && args.sharding == Sharding::Labels {
+        crate::deploy::install_bucket_labels(&client, &args.namespace_name(0)).await?;
     }
     let tracker = Arc::new(Mutex::new(Tracker::default()));
     let watch = tokio::spawn(track(client.clone(), tracker.clone(), None));
