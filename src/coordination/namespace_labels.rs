@@ -9,21 +9,28 @@
 //! the first list is refused, this duty ends, and [`super::labeller`] labels each policy, as it
 //! still does for one admitted before its namespace was labelled.
 
+use std::collections::HashSet;
+
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
+use tokio::task::JoinSet;
 
 use super::labeller::Retries;
 use crate::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
 use crate::telemetry::metrics as m;
 
+/// Namespaces labelled at once: after the first list, a cluster may have thousands to label,
+/// and a policy written in one of them meanwhile waits for the policy labeller.
+const CONCURRENCY: usize = 16;
+
 /// Keeps every watched namespace's bucket label right (a namespace created later, or a label
 /// removed or changed by hand, included). Runs while leading. A namespace whose patch fails
 /// (a webhook refusing it, a 429, or a writer that strips the label again) is retried after
-/// its own backoff, and its watch events are ignored meanwhile, so that no failure and no
-/// tug of war with another writer becomes a hot loop.
+/// its own backoff, and its watch events are ignored meanwhile, as they are while its patch
+/// is in flight, so that no failure and no tug of war with another writer becomes a hot loop.
 pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     let api: Api<Namespace> = Api::all(client.clone());
     let metadata: Api<PartialObjectMeta<Namespace>> = Api::all(client);
@@ -33,13 +40,24 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     };
     let mut events = std::pin::pin!(watcher(metadata, config).default_backoff());
     let mut retries = Retries::<String>::default();
+    // Dropped (aborting what is in flight) when the leader stops this task.
+    let mut in_flight = JoinSet::new();
+    let mut busy = HashSet::new();
     loop {
+        let room = in_flight.len() < CONCURRENCY;
         let name = tokio::select! {
-            event = events.next() => match event {
+            Some(done) = in_flight.join_next() => {
+                if let Ok((name, labelled)) = done {
+                    busy.remove(&name);
+                    if labelled { retries.forget(&name) } else { retries.later(name) }
+                }
+                continue;
+            }
+            event = events.next(), if room => match event {
                 Some(Ok(watcher::Event::Apply(ns) | watcher::Event::InitApply(ns))) => {
                     let name = ns.name_any();
                     let labelled = ns.labels().get(BUCKET_LABEL) == Some(&label_value(bucket_of(&name)));
-                    if labelled || retries.failing(&name) {
+                    if labelled || busy.contains(&name) || retries.failing(&name) {
                         continue;
                     }
                     name
@@ -59,13 +77,14 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 }
                 None => return,
             },
-            Some(name) = retries.next_due() => name,
+            Some(name) = retries.next_due(), if room => name,
         };
-        if label(&api, &name).await {
-            retries.forget(&name);
-        } else {
-            retries.later(name);
-        }
+        busy.insert(name.clone());
+        let api = api.clone();
+        in_flight.spawn(async move {
+            let labelled = label(&api, &name).await;
+            (name, labelled)
+        });
     }
 }
 
