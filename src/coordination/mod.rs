@@ -3,8 +3,8 @@
 //!   assignment with a quorum read), acknowledgements, release;
 //! - [`members`]: a watch of every member Lease into the local membership table;
 //! - [`leader`]: leader election, and the leader's duties: publishing the assignment and,
-//!   in label mode, bucket labels ([`namespace_labels`] on namespaces, for deploy/'s
-//!   admission policy; [`labeller`] on each policy that came without one);
+//!   in label mode, bucket labels ([`namespace_labels`] on namespaces, for the
+//!   admission policy of deploy/components/bucket-labels; [`labeller`] on each policy that came without one);
 //! - [`follower`]: applying the published assignment to this replica (re-target the
 //!   watches at once, drain what was lost, acknowledge);
 //! - [`ownership`]: what this replica may write right now, with the fencing epoch;

@@ -6,10 +6,11 @@
 //! the label on the namespace.
 //!
 //! The component also grants the list, watch and patch on namespaces this needs. Without it
-//! the first list is refused, this duty ends, and [`super::labeller`] labels each policy, as it
-//! still does for one admitted before its namespace was labelled.
+//! the list is refused (and tried again after the watcher's backoff, so that a grant added
+//! later takes effect), and [`super::labeller`] labels each policy, as it still does for one
+//! admitted before its namespace was labelled.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
@@ -28,9 +29,9 @@ const CONCURRENCY: usize = 16;
 
 /// Keeps every watched namespace's bucket label right (a namespace created later, or a label
 /// removed or changed by hand, included). Runs while leading. A namespace whose patch fails
-/// (a webhook refusing it, a 429, or a writer that strips the label again) is retried after
-/// its own backoff, and its watch events are ignored meanwhile, as they are while its patch
-/// is in flight, so that no failure and no tug of war with another writer becomes a hot loop.
+/// (a webhook refusing it, a 429, or a webhook that strips the label as it is written) is
+/// retried after its own backoff, and its watch events are ignored meanwhile, as they are
+/// while its patch is in flight, so that no failure becomes a hot loop.
 pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     let api: Api<Namespace> = Api::all(client.clone());
     let metadata: Api<PartialObjectMeta<Namespace>> = Api::all(client);
@@ -42,14 +43,22 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     let mut retries = Retries::<String>::default();
     // Dropped (aborting what is in flight) when the leader stops this task.
     let mut in_flight = JoinSet::new();
-    let mut busy = HashSet::new();
+    // Names in flight, each with whether an event came for it meanwhile (then it is checked
+    // again: the event may tell of a later state than the patch saw).
+    let mut busy: HashMap<String, bool> = HashMap::new();
+    let mut list_refused = false;
     loop {
         let room = in_flight.len() < CONCURRENCY;
         let name = tokio::select! {
             Some(done) = in_flight.join_next() => {
                 if let Ok((name, labelled)) = done {
-                    busy.remove(&name);
-                    if labelled { retries.forget(&name) } else { retries.later(name) }
+                    let stale = busy.remove(&name).unwrap_or(false);
+                    if labelled {
+                        retries.forget(&name);
+                    }
+                    if !labelled || stale {
+                        retries.later(name);
+                    }
                 }
                 continue;
             }
@@ -57,18 +66,25 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 Some(Ok(watcher::Event::Apply(ns) | watcher::Event::InitApply(ns))) => {
                     let name = ns.name_any();
                     let labelled = ns.labels().get(BUCKET_LABEL) == Some(&label_value(bucket_of(&name)));
-                    if labelled || busy.contains(&name) || retries.failing(&name) {
+                    if let Some(stale) = busy.get_mut(&name).filter(|_| !labelled) {
+                        *stale = true;
+                    }
+                    if labelled || busy.contains_key(&name) || retries.failing(&name) {
                         continue;
                     }
                     name
                 }
                 Some(Ok(_)) => continue,
+                // Without the component's grant: the watcher tries again after its backoff (up
+                // to 30 s apart), so a grant added later takes effect without a restart.
                 Some(Err(watcher::Error::InitialListFailed(kube::Error::Api(s)))) if s.code == 403 => {
-                    tracing::info!(
-                        "namespaces are not labelled with their bucket (no permission to list them: \
-                         deploy/components/bucket-labels grants it); the leader labels each policy instead"
-                    );
-                    return;
+                    if !std::mem::replace(&mut list_refused, true) {
+                        tracing::info!(
+                            "namespaces are not labelled with their bucket (no permission to list them: \
+                             deploy/components/bucket-labels grants it); the leader labels each policy instead"
+                        );
+                    }
+                    continue;
                 }
                 Some(Err(error)) => {
                     m::count_watch_error("Namespace");
@@ -79,17 +95,19 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
             },
             Some(name) = retries.next_due(), if room => name,
         };
-        busy.insert(name.clone());
-        let api = api.clone();
+        busy.insert(name.clone(), false);
+        let (api, first_failure) = (api.clone(), !retries.failing(&name));
         in_flight.spawn(async move {
-            let labelled = label(&api, &name).await;
+            let labelled = label(&api, &name, first_failure).await;
             (name, labelled)
         });
     }
 }
 
-/// Puts the namespace's bucket label on it; whether the label is there afterwards.
-async fn label(api: &Api<Namespace>, name: &str) -> bool {
+/// Puts the namespace's bucket label on it; whether the label is there afterwards. A failure
+/// is logged as a warning the first time since the namespace last succeeded, and at debug
+/// level on its retries: a namespace that a policy engine protects is refused for good.
+async fn label(api: &Api<Namespace>, name: &str, first_failure: bool) -> bool {
     let bucket = label_value(bucket_of(name));
     let patch = serde_json::json!({ "metadata": { "labels": { BUCKET_LABEL: &bucket } } });
     match api.patch_metadata(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
@@ -103,9 +121,14 @@ async fn label(api: &Api<Namespace>, name: &str) -> bool {
             false
         }
         Err(kube::Error::Api(s)) if s.code == 404 => true,
-        Err(error) => {
+        Err(error) if first_failure => {
             m::count_bucket_label_error();
             tracing::warn!(%error, namespace = name, "labelling a namespace failed; retrying");
+            false
+        }
+        Err(error) => {
+            m::count_bucket_label_error();
+            tracing::debug!(%error, namespace = name, "labelling a namespace failed again; retrying");
             false
         }
     }

@@ -100,7 +100,7 @@ impl TestEnv {
         name.to_string()
     }
 
-    /// Starts the operator for this namespace under deploy/'s ClusterRole.
+    /// Starts the operator for this namespace under deploy/'s ClusterRoles (see `operator_identity`).
     pub async fn start_operator(&self, extra_args: &[&str]) -> Operator {
         let identity = self.operator_identity("operator", None).await;
         Operator::start(self, &identity, extra_args).await
