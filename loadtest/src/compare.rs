@@ -3,6 +3,10 @@
 //! shard-selector and in label mode, the controller-runtime peer and the kube-rs peers (plain,
 //! and with a trimmed cache). Prints the ratios that count, each against its target
 //! (issue 11's, set for 20k policies) with a pass or fail.
+//!
+//! On this noisy machine one pair of runs can be off by a fifth either way, so `--rounds N`
+//! runs the floor and the operator N times, in a rotated order each round: each ratio against
+//! the floor is then the median of the rounds' own side-by-side ratios.
 
 use std::path::PathBuf;
 
@@ -19,70 +23,123 @@ pub struct Args {
     /// Workers per operator replica.
     #[arg(long, default_value_t = 8)]
     workers: u16,
+    /// How many times the floor and the operator runs are made (the peers run once).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    rounds: u16,
+    /// Leave the peers out (and their ratios).
+    #[arg(long)]
+    no_peers: bool,
     #[arg(long, default_value = "target/loadtest/compare.json")]
     out: PathBuf,
 }
 
+type Planned = (&'static str, Mode, usize, Sharding);
+
+/// The runs whose ratios are taken against the floor of the same round.
+const AGAINST_FLOOR: [Planned; 5] = [
+    ("floor", Mode::Floor, 1, Sharding::ShardSelector),
+    ("operator x1", Mode::Operator, 1, Sharding::ShardSelector),
+    ("operator x1 labels", Mode::Operator, 1, Sharding::Labels),
+    ("operator x3", Mode::Operator, 3, Sharding::ShardSelector),
+    ("operator x3 labels", Mode::Operator, 3, Sharding::Labels),
+];
+
+const PEERS: [Planned; 3] = [
+    ("controller-runtime", Mode::ControllerRuntime, 1, Sharding::ShardSelector),
+    ("kube-rs Controller", Mode::KubeRs, 1, Sharding::ShardSelector),
+    ("kube-rs Controller, trimmed", Mode::KubeRsTrimmed, 1, Sharding::ShardSelector),
+];
+
+/// One run of the comparison, in the round it belongs to.
+struct Ran {
+    label: &'static str,
+    round: u16,
+    result: Value,
+}
+
+fn run_args(args: &Args, (label, mode, replicas, sharding): Planned, round: u16) -> run::Args {
+    let name = match args.rounds {
+        1 => label.replace(' ', "-"),
+        _ => format!("{}-round-{}", label.replace(' ', "-"), round + 1),
+    };
+    run::Args {
+        objects: args.objects,
+        sharding,
+        namespaces: args.namespaces,
+        zipf: None,
+        mode,
+        replicas,
+        workers: args.workers,
+        concurrency: 64,
+        update_fraction: 0.0,
+        kill_after: None,
+        preload: false,
+        edits: 0,
+        at_rest: false,
+        handoff: false,
+        resync_seconds: None,
+        delete: false,
+        idle_seconds: 0,
+        operator_binary: None,
+        timeout_seconds: 1800,
+        out: args.out.with_file_name(format!("compare-{name}.json")),
+        kubeconfig: None,
+        operator_namespace: "traffic-policy-operator".into(),
+        slo: None,
+        namespace_prefix: "load-".into(),
+        run_label: None,
+    }
+}
+
+fn seconds(r: &Value) -> f64 {
+    r["convergence_seconds"].as_f64().unwrap_or(f64::NAN)
+}
+
+fn cpu(r: &Value) -> f64 {
+    r["replica_stats"].as_array().map_or(0.0, |a| a.iter().map(|s| s["cpu_seconds"].as_f64().unwrap_or(0.0)).sum())
+}
+
+fn peak(r: &Value) -> f64 {
+    r["replica_stats"]
+        .as_array()
+        .map_or(0.0, |a| a.iter().map(|s| s["peak_rss_bytes"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max))
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    use Sharding::{Labels, ShardSelector};
-    let plan = [
-        ("floor", Mode::Floor, 1, ShardSelector),
-        ("operator x1", Mode::Operator, 1, ShardSelector),
-        ("operator x1 labels", Mode::Operator, 1, Labels),
-        ("controller-runtime", Mode::ControllerRuntime, 1, ShardSelector),
-        ("kube-rs Controller", Mode::KubeRs, 1, ShardSelector),
-        ("kube-rs Controller, trimmed", Mode::KubeRsTrimmed, 1, ShardSelector),
-        ("operator x3", Mode::Operator, 3, ShardSelector),
-        ("operator x3 labels", Mode::Operator, 3, Labels),
-    ];
-    let mut results: Vec<(&str, Value)> = Vec::new();
-    for (label, mode, replicas, sharding) in plan {
-        eprintln!("== {label}");
-        let run_args = run::Args {
-            objects: args.objects,
-            sharding,
-            namespaces: args.namespaces,
-            zipf: None,
-            mode,
-            replicas,
-            workers: args.workers,
-            concurrency: 64,
-            update_fraction: 0.0,
-            kill_after: None,
-            preload: false,
-            edits: 0,
-            at_rest: false,
-            handoff: false,
-            resync_seconds: None,
-            delete: false,
-            idle_seconds: 0,
-            operator_binary: None,
-            timeout_seconds: 1800,
-            out: args.out.with_file_name(format!("compare-{}.json", label.replace(' ', "-"))),
-            kubeconfig: None,
-            operator_namespace: "traffic-policy-operator".into(),
-            slo: None,
-            namespace_prefix: "load-".into(),
-            run_label: None,
-        };
-        let result = run::run(run_args).await?;
-        eprint!("{}", run::summary(&result));
-        results.push((label, result));
+    let mut ran: Vec<Ran> = Vec::new();
+    for round in 0..args.rounds {
+        // Rotated each round, so that no run always comes first or follows the same one.
+        let mut plan = AGAINST_FLOOR.to_vec();
+        plan.rotate_left(round as usize % AGAINST_FLOOR.len());
+        if round == 0 && !args.no_peers {
+            plan.extend(PEERS);
+        }
+        for planned in plan {
+            let label = planned.0;
+            match args.rounds {
+                1 => eprintln!("== {label}"),
+                rounds => eprintln!("== {label} (round {} of {rounds})", round + 1),
+            }
+            let result = run::run(run_args(&args, planned, round)).await?;
+            eprint!("{}", run::summary(&result));
+            ran.push(Ran { label, round, result });
+        }
     }
 
-    let get = |label: &str| &results.iter().find(|(l, _)| *l == label).expect("ran").1;
-    let seconds = |r: &Value| r["convergence_seconds"].as_f64().unwrap_or(f64::NAN);
-    let cpu = |r: &Value| {
-        r["replica_stats"].as_array().map_or(0.0, |a| a.iter().map(|s| s["cpu_seconds"].as_f64().unwrap_or(0.0)).sum())
-    };
-    let peak = |r: &Value| {
-        r["replica_stats"]
-            .as_array()
-            .map_or(0.0, |a| a.iter().map(|s| s["peak_rss_bytes"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max))
-    };
-    println!("| run | converged in | CPU-seconds | peak RSS per process | p50 / p99 latency |");
-    println!("|---|---|---|---|---|");
-    for (label, r) in &results {
+    println!(
+        "| run | round | converged in | CPU-seconds | peak RSS per process | kube-apiserver CPU-s | p50 / p99 latency |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for Ran { label, round, result: r } in &ran {
         // The floor has no controller process to measure.
         let has_process = r["replica_stats"].as_array().is_some_and(|a| !a.is_empty());
         let (cpu, peak) = match has_process {
@@ -90,58 +147,86 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             false => ("–".to_string(), "–".to_string()),
         };
         println!(
-            "| {label} | {:.1} s | {cpu} | {peak} | {:.0} / {:.0} ms |",
+            "| {label} | {} | {:.1} s | {cpu} | {peak} | {:.1} | {:.0} / {:.0} ms |",
+            round + 1,
             seconds(r),
+            r["control_plane"]["cpu_seconds"]["kube-apiserver"].as_f64().unwrap_or(f64::NAN),
             r["latency_ms"]["p50"].as_f64().unwrap_or_default(),
             r["latency_ms"]["p99"].as_f64().unwrap_or_default()
         );
     }
-    let ours = get("operator x1");
-    let three = get("operator x3");
-    let floor = seconds(get("floor"));
+    let get = |label: &str, round: u16| -> &Value {
+        &ran.iter().find(|r| r.label == label && r.round == round).expect("ran").result
+    };
+    // A ratio against the floor, in each round and its median.
+    let per_round = |of: &dyn Fn(u16) -> f64| -> (f64, Vec<f64>) {
+        let each: Vec<f64> = (0..args.rounds).map(of).collect();
+        (median(each.clone()), each)
+    };
     let mut ratios = json!({});
     println!();
-    println!("| ratio | value | target | |");
-    println!("|---|---|---|---|");
-    let mut report = |key: String, what: String, value: f64, target: Option<f64>| {
+    println!("| ratio | value | target | | each round |");
+    println!("|---|---|---|---|---|");
+    let mut report = |key: String, what: String, (value, each): (f64, Vec<f64>), target: Option<f64>| {
         let verdict = target.map_or("", |t| if value <= t { "pass" } else { "fail" });
         let target = target.map_or(String::new(), |t| format!("≤ {t}"));
-        println!("| {what} | {value:.2} | {target} | {verdict} |");
+        let each: Vec<String> = each.iter().map(|v| format!("{v:.2}")).collect();
+        let each = if each.len() > 1 { each.join(", ") } else { String::new() };
+        println!("| {what} | {value:.2} | {target} | {verdict} | {each} |");
         ratios[key] = json!(value);
     };
     for (label, target) in
         [("operator x1", 1.2), ("operator x1 labels", 1.5), ("operator x3", 1.2), ("operator x3 labels", 1.5)]
     {
         let key = format!("{}_convergence_over_floor", label.replace(' ', "_"));
-        report(key, format!("{label} convergence / write floor"), seconds(get(label)) / floor, Some(target));
+        let ratio = per_round(&|round| seconds(get(label, round)) / seconds(get("floor", round)));
+        report(key, format!("{label} convergence / write floor"), ratio, Some(target));
     }
-    for (peer, target) in
-        [("controller-runtime", Some(0.5)), ("kube-rs Controller", None), ("kube-rs Controller, trimmed", None)]
-    {
-        let p = get(peer);
-        let key = |what: &str| format!("{}_{what}", peer.replace([' ', ','], "_"));
-        report(key("cpu"), format!("operator / {peer}: CPU-seconds"), cpu(ours) / cpu(p), target);
-        report(key("peak_rss"), format!("operator / {peer}: peak RSS"), peak(ours) / peak(p), target);
-        report(key("convergence"), format!("operator / {peer}: convergence time"), seconds(ours) / seconds(p), None);
+    if !args.no_peers {
+        let ours = get("operator x1", 0);
+        for (peer, target) in
+            [("controller-runtime", Some(0.5)), ("kube-rs Controller", None), ("kube-rs Controller, trimmed", None)]
+        {
+            let p = get(peer, 0);
+            let key = |what: &str| format!("{}_{what}", peer.replace([' ', ','], "_"));
+            let once = |value: f64| (value, vec![value]);
+            report(key("cpu"), format!("operator / {peer}: CPU-seconds"), once(cpu(ours) / cpu(p)), target);
+            report(key("peak_rss"), format!("operator / {peer}: peak RSS"), once(peak(ours) / peak(p)), target);
+            let time = once(seconds(ours) / seconds(p));
+            report(key("convergence"), format!("operator / {peer}: convergence time"), time, None);
+        }
     }
     report(
         "three_replica_rss_ratio".into(),
         "largest replica's peak RSS, 3 replicas / 1 replica".into(),
-        peak(three) / peak(ours),
+        per_round(&|round| peak(get("operator x3", round)) / peak(get("operator x1", round))),
         Some(0.4),
     );
 
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let all: Vec<Value> = results
+    let all: Vec<Value> = ran
         .into_iter()
-        .map(|(label, mut r)| {
-            r["label"] = json!(label);
-            r
+        .map(|Ran { label, round, mut result }| {
+            result["label"] = json!(label);
+            result["round"] = json!(round + 1);
+            result
         })
         .collect();
     std::fs::write(&args.out, serde_json::to_string_pretty(&json!({ "ratios": ratios, "runs": all }))?)?;
     eprintln!("wrote {}", args.out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![1.4, 1.0, 1.2]), 1.2);
+        assert_eq!(median(vec![1.0, 1.4]), 1.2);
+        assert!(median(vec![]).is_nan());
+    }
 }

@@ -13,6 +13,7 @@ mod handoff;
 mod ownership_cost;
 mod run;
 mod sample;
+mod server_load;
 
 use clap::{Parser, Subcommand};
 

@@ -46,19 +46,25 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     // Names in flight, each with whether an event came for it meanwhile (then it is checked
     // again: the event may tell of a later state than the patch saw).
     let mut busy: HashMap<String, bool> = HashMap::new();
+    // Whose each task is, so that a task that panicked still frees its namespace.
+    let mut tasks: HashMap<tokio::task::Id, String> = HashMap::new();
     let mut list_refused = false;
     loop {
         let room = in_flight.len() < CONCURRENCY;
         let name = tokio::select! {
-            Some(done) = in_flight.join_next() => {
-                if let Ok((name, labelled)) = done {
-                    let stale = busy.remove(&name).unwrap_or(false);
-                    if labelled {
-                        retries.forget(&name);
-                    }
-                    if !labelled || stale {
-                        retries.later(name);
-                    }
+            Some(done) = in_flight.join_next_with_id() => {
+                let (id, labelled) = match done {
+                    Ok((id, labelled)) => (id, labelled),
+                    // Only a panic: the set is never aborted while this loop runs.
+                    Err(error) => (error.id(), false),
+                };
+                let Some(name) = tasks.remove(&id) else { continue };
+                let stale = busy.remove(&name).unwrap_or(false);
+                if labelled {
+                    retries.forget(&name);
+                }
+                if !labelled || stale {
+                    retries.later(name);
                 }
                 continue;
             }
@@ -96,11 +102,9 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
             Some(name) = retries.next_due(), if room => name,
         };
         busy.insert(name.clone(), false);
-        let (api, first_failure) = (api.clone(), !retries.failing(&name));
-        in_flight.spawn(async move {
-            let labelled = label(&api, &name, first_failure).await;
-            (name, labelled)
-        });
+        let (api, first_failure, task_name) = (api.clone(), !retries.failing(&name), name.clone());
+        let task = in_flight.spawn(async move { label(&api, &task_name, first_failure).await });
+        tasks.insert(task.id(), name);
     }
 }
 

@@ -232,6 +232,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     }
     let tracker = Arc::new(Mutex::new(Tracker::default()));
     let watch = tokio::spawn(track(client.clone(), tracker.clone(), None));
+    let server_before = crate::server_load::snapshot(cp, &client).await?;
     let started = Instant::now();
     if args.preload {
         create_all(&client, args, &tracker).await?;
@@ -256,6 +257,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     let edit_latencies = edit_during_backlog(&client, args, &tracker).await?;
     wait_converged(&tracker, args, &mut replicas, cp, kill, &pids).await?;
     let converge_seconds = started.elapsed().as_secs_f64();
+    let control_plane = crate::server_load::report(&server_before, &crate::server_load::snapshot(cp, &client).await?);
 
     let mut update_seconds = None;
     if args.update_fraction > 0.0 {
@@ -352,6 +354,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         "throughput_per_second": args.objects as f64 / converge_seconds,
         "latency_ms": latency_percentiles(&tracker.latencies_ms),
         "replica_stats": per_replica,
+        "control_plane": control_plane,
         "samples": samples,
     });
     anyhow::ensure!(converged == args.objects, "only {converged} of {} policies converged", args.objects);
@@ -391,6 +394,9 @@ pub fn summary(result: &serde_json::Value) -> String {
         result["latency_ms"]["p95"].as_f64().unwrap_or_default(),
         result["latency_ms"]["p99"].as_f64().unwrap_or_default(),
     );
+    if result["control_plane"].is_object() {
+        text += &crate::server_load::summary(&result["control_plane"]);
+    }
     if let Some(at_rest) = result["at_rest"].as_object() {
         for (phase, what) in [("resync", "a forced resync"), ("rolling_restart", "a rolling restart")] {
             let w = &at_rest[phase];
