@@ -12,7 +12,7 @@ use kube::Client;
 use serde_json::json;
 
 use crate::run::{Args, Replica, Watched, start_replica};
-use crate::sample;
+use crate::sample::{self, label};
 
 /// Child applies and status writes the API server has counted so far.
 #[derive(Clone, Copy, Debug, Default)]
@@ -37,20 +37,20 @@ impl Writes {
 
 /// Reads the counters from kube-apiserver's /metrics.
 async fn writes(client: &Client) -> anyhow::Result<Writes> {
-    let text = client.request_text(http::Request::get("/metrics").body(Vec::new())?).await?;
-    let mut writes = Writes::default();
-    for line in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
-        let has = |label: &str| line.contains(label);
-        let value: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
-        let child = has("resource=\"configmaps\"") || has("resource=\"networkpolicies\"");
-        if child && has("verb=\"APPLY\"") {
-            writes.child_applies += value;
-        }
-        if has("resource=\"applicationtrafficpolicies\"") && has("subresource=\"status\"") && has("verb=\"PATCH\"") {
-            writes.status_writes += value;
-        }
-    }
-    Ok(writes)
+    let text = sample::apiserver_metrics(client).await?;
+    let requests = |keep: &dyn Fn(&str, &str, &str) -> bool| {
+        sample::metric_where(&text, "apiserver_request_total", |l| {
+            keep(label(l, "verb"), label(l, "resource"), label(l, "subresource"))
+        })
+    };
+    Ok(Writes {
+        child_applies: requests(&|verb, resource, _| {
+            verb == "APPLY" && matches!(resource, "configmaps" | "networkpolicies")
+        }),
+        status_writes: requests(&|verb, resource, sub| {
+            verb == "PATCH" && resource == "applicationtrafficpolicies" && sub == "status"
+        }),
+    })
 }
 
 fn replica_metric(replica: &Replica, name: &str) -> f64 {

@@ -5,8 +5,10 @@
 //! (issue 11's, set for 20k policies) with a pass or fail.
 //!
 //! On this noisy machine one pair of runs can be off by a fifth either way, so `--rounds N`
-//! runs the floor and the operator N times, in a rotated order each round: each ratio against
-//! the floor is then the median of the rounds' own side-by-side ratios.
+//! runs the floor and the operator N times, in a rotated order each round (so that a
+//! different run comes first each time): each ratio against the floor is then the median of
+//! the rounds' own side-by-side ratios. A run that fails is reported and left out; the
+//! medians are taken over the rounds that have both runs of a ratio.
 
 use std::path::PathBuf;
 
@@ -50,11 +52,11 @@ const PEERS: [Planned; 3] = [
     ("kube-rs Controller, trimmed", Mode::KubeRsTrimmed, 1, Sharding::ShardSelector),
 ];
 
-/// One run of the comparison, in the round it belongs to.
+/// One run of the comparison, in the round it belongs to: its result, or why it failed.
 struct Ran {
     label: &'static str,
     round: u16,
-    result: Value,
+    result: Result<Value, String>,
 }
 
 fn run_args(args: &Args, (label, mode, replicas, sharding): Planned, round: u16) -> run::Args {
@@ -117,7 +119,8 @@ fn median(mut values: Vec<f64>) -> f64 {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut ran: Vec<Ran> = Vec::new();
     for round in 0..args.rounds {
-        // Rotated each round, so that no run always comes first or follows the same one.
+        // Rotated each round, so that a different run comes first (on a control plane that
+        // has just started, and on whatever the machine was doing before).
         let mut plan = AGAINST_FLOOR.to_vec();
         plan.rotate_left(round as usize % AGAINST_FLOOR.len());
         if round == 0 && !args.no_peers {
@@ -129,8 +132,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 1 => eprintln!("== {label}"),
                 rounds => eprintln!("== {label} (round {} of {rounds})", round + 1),
             }
-            let result = run::run(run_args(&args, planned, round)).await?;
-            eprint!("{}", run::summary(&result));
+            let result = run::run(run_args(&args, planned, round)).await.map_err(|e| format!("{e:#}"));
+            match &result {
+                Ok(result) => eprint!("{}", run::summary(result)),
+                Err(error) => eprintln!("  failed: {error}"),
+            }
             ran.push(Ran { label, round, result });
         }
     }
@@ -139,7 +145,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "| run | round | converged in | CPU-seconds | peak RSS per process | kube-apiserver CPU-s | p50 / p99 latency |"
     );
     println!("|---|---|---|---|---|---|---|");
-    for Ran { label, round, result: r } in &ran {
+    for Ran { label, round, result } in &ran {
+        let r = match result {
+            Ok(r) => r,
+            Err(error) => {
+                println!("| {label} | {} | failed: {error} | | | | |", round + 1);
+                continue;
+            }
+        };
         // The floor has no controller process to measure.
         let has_process = r["replica_stats"].as_array().is_some_and(|a| !a.is_empty());
         let (cpu, peak) = match has_process {
@@ -155,12 +168,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             r["latency_ms"]["p99"].as_f64().unwrap_or_default()
         );
     }
-    let get = |label: &str, round: u16| -> &Value {
-        &ran.iter().find(|r| r.label == label && r.round == round).expect("ran").result
+    let get = |label: &str, round: u16| -> Option<&Value> {
+        ran.iter().find(|r| r.label == label && r.round == round)?.result.as_ref().ok()
     };
-    // A ratio against the floor, in each round and its median.
-    let per_round = |of: &dyn Fn(u16) -> f64| -> (f64, Vec<f64>) {
-        let each: Vec<f64> = (0..args.rounds).map(of).collect();
+    // A ratio in each round whose runs both finished, and its median.
+    let per_round = |of: &dyn Fn(u16) -> Option<f64>| -> (f64, Vec<f64>) {
+        let each: Vec<f64> = (0..args.rounds).filter_map(of).collect();
         (median(each.clone()), each)
     };
     let mut ratios = json!({});
@@ -170,36 +183,39 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut report = |key: String, what: String, (value, each): (f64, Vec<f64>), target: Option<f64>| {
         let verdict = target.map_or("", |t| if value <= t { "pass" } else { "fail" });
         let target = target.map_or(String::new(), |t| format!("≤ {t}"));
+        let each_value = each.clone();
         let each: Vec<String> = each.iter().map(|v| format!("{v:.2}")).collect();
-        let each = if each.len() > 1 { each.join(", ") } else { String::new() };
-        println!("| {what} | {value:.2} | {target} | {verdict} | {each} |");
+        let verdict = if value.is_nan() { "no finished run" } else { verdict };
+        println!("| {what} | {value:.2} | {target} | {verdict} | {} |", each.join(", "));
+        ratios[format!("{key}_each")] = json!(each_value);
         ratios[key] = json!(value);
     };
     for (label, target) in
         [("operator x1", 1.2), ("operator x1 labels", 1.5), ("operator x3", 1.2), ("operator x3 labels", 1.5)]
     {
         let key = format!("{}_convergence_over_floor", label.replace(' ', "_"));
-        let ratio = per_round(&|round| seconds(get(label, round)) / seconds(get("floor", round)));
+        let ratio = per_round(&|round| Some(seconds(get(label, round)?) / seconds(get("floor", round)?)));
         report(key, format!("{label} convergence / write floor"), ratio, Some(target));
     }
     if !args.no_peers {
-        let ours = get("operator x1", 0);
         for (peer, target) in
             [("controller-runtime", Some(0.5)), ("kube-rs Controller", None), ("kube-rs Controller, trimmed", None)]
         {
-            let p = get(peer, 0);
             let key = |what: &str| format!("{}_{what}", peer.replace([' ', ','], "_"));
-            let once = |value: f64| (value, vec![value]);
-            report(key("cpu"), format!("operator / {peer}: CPU-seconds"), once(cpu(ours) / cpu(p)), target);
-            report(key("peak_rss"), format!("operator / {peer}: peak RSS"), once(peak(ours) / peak(p)), target);
-            let time = once(seconds(ours) / seconds(p));
-            report(key("convergence"), format!("operator / {peer}: convergence time"), time, None);
+            // The peers run in the first round only.
+            let once = |of: fn(&Value) -> f64| {
+                let value = get("operator x1", 0).zip(get(peer, 0)).map_or(f64::NAN, |(ours, p)| of(ours) / of(p));
+                (value, if value.is_nan() { vec![] } else { vec![value] })
+            };
+            report(key("cpu"), format!("operator / {peer}: CPU-seconds"), once(cpu), target);
+            report(key("peak_rss"), format!("operator / {peer}: peak RSS"), once(peak), target);
+            report(key("convergence"), format!("operator / {peer}: convergence time"), once(seconds), None);
         }
     }
     report(
         "three_replica_rss_ratio".into(),
         "largest replica's peak RSS, 3 replicas / 1 replica".into(),
-        per_round(&|round| peak(get("operator x3", round)) / peak(get("operator x1", round))),
+        per_round(&|round| Some(peak(get("operator x3", round)?) / peak(get("operator x1", round)?))),
         Some(0.4),
     );
 
@@ -208,14 +224,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let all: Vec<Value> = ran
         .into_iter()
-        .map(|Ran { label, round, mut result }| {
+        .map(|Ran { label, round, result }| {
+            let mut result = result.unwrap_or_else(|error| json!({ "error": error }));
             result["label"] = json!(label);
             result["round"] = json!(round + 1);
             result
         })
         .collect();
+    let failed = all.iter().filter(|r| r.get("error").is_some()).count();
     std::fs::write(&args.out, serde_json::to_string_pretty(&json!({ "ratios": ratios, "runs": all }))?)?;
     eprintln!("wrote {}", args.out.display());
+    anyhow::ensure!(failed == 0, "{failed} of the comparison's runs failed (see above and {})", args.out.display());
     Ok(())
 }
 

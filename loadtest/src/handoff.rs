@@ -20,6 +20,7 @@ use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
 use crate::run::{Args, OPERATOR_NAMESPACE, Replica, Tracker, Watched, edit_and_wait, edit_percentiles, start_replica};
+use crate::sample::{self, label};
 
 /// The target of docs/benchmarks.md for an edit made during a handoff.
 const EDIT_P99_TARGET_MS: f64 = 1000.0;
@@ -32,14 +33,10 @@ fn counts(replicas: &[Replica]) -> Counts {
         .iter()
         .map(|r| {
             let text = controlplane::http_get_plain(r.metrics_port, "/metrics").unwrap_or_default();
-            let listed = text
-                .lines()
-                .filter(|l| {
-                    l.starts_with("traffic_policy_listed_objects_total{") && l.contains("ApplicationTrafficPolicy")
-                })
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
-            (r.name.clone(), listed, crate::sample::metric(&text, "traffic_policy_cached_objects"))
+            let listed = sample::metric_where(&text, "traffic_policy_listed_objects_total", |l| {
+                label(l, "resource") == "ApplicationTrafficPolicy"
+            });
+            (r.name.clone(), listed, sample::metric(&text, "traffic_policy_cached_objects"))
         })
         .collect()
 }
@@ -64,12 +61,11 @@ async fn settled(client: &Client, args: &Args, replicas: &[Replica], what: &str)
 /// Policies the API server has returned in lists so far, whether from its watch cache or
 /// from etcd: the cost of handoffs as the server sees it, whichever operator build lists.
 async fn server_listed(client: &Client) -> anyhow::Result<f64> {
-    let text = client.request_text(http::Request::get("/metrics").body(Vec::new())?).await?;
-    let counters = ["apiserver_cache_list_returned_objects_total{", "apiserver_storage_list_returned_objects_total{"];
-    Ok(text
-        .lines()
-        .filter(|l| counters.iter().any(|c| l.starts_with(c)) && l.contains("applicationtrafficpolicies"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    let text = sample::apiserver_metrics(client).await?;
+    let policies = |labels: &sample::Labels<'_>| labels.iter().any(|(_, v)| v.contains("applicationtrafficpolicies"));
+    Ok(["apiserver_cache_list_returned_objects_total", "apiserver_storage_list_returned_objects_total"]
+        .into_iter()
+        .map(|counter| sample::metric_where(&text, counter, policies))
         .sum())
 }
 

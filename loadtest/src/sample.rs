@@ -1,5 +1,5 @@
-//! Samples of a running replica: CPU and memory from /proc, queue depth and cache size
-//! from its /metrics.
+//! Samples of a running process: CPU and memory from /proc, and series read from a
+//! Prometheus exposition (a replica's queue depth and cache size, kube-apiserver's counters).
 
 use serde::Serialize;
 
@@ -44,11 +44,52 @@ pub fn series_count(exposition: &str) -> usize {
 
 /// The sum of every series of `name` in a Prometheus text exposition.
 pub fn metric(exposition: &str, name: &str) -> f64 {
+    metric_where(exposition, name, |_| true)
+}
+
+/// The sum of the series of `name` whose labels `keep` accepts.
+pub fn metric_where(exposition: &str, name: &str, keep: impl Fn(&Labels<'_>) -> bool) -> f64 {
     exposition
         .lines()
-        .filter(|line| line.split(['{', ' ']).next() == Some(name))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter_map(parse)
+        .filter(|(series, labels, _)| *series == name && keep(labels))
+        .map(|(_, _, value)| value)
         .sum()
+}
+
+/// kube-apiserver's own /metrics exposition.
+pub async fn apiserver_metrics(client: &kube::Client) -> anyhow::Result<String> {
+    Ok(client.request_text(http::Request::get("/metrics").body(Vec::new())?).await?)
+}
+
+/// A series' labels, as (name, value) pairs.
+pub type Labels<'a> = Vec<(&'a str, &'a str)>;
+
+/// The value of one label, or "" when the series has none.
+pub fn label<'a>(labels: &Labels<'a>, key: &str) -> &'a str {
+    labels.iter().find(|(k, _)| *k == key).map_or("", |(_, v)| *v)
+}
+
+/// `name{a="b",c="d"} value` → (name, labels, value); `None` for comments. The label values
+/// read here hold no commas or escaped quotes, which keeps this short.
+pub fn parse(line: &str) -> Option<(&str, Labels<'_>, f64)> {
+    if line.starts_with('#') {
+        return None;
+    }
+    let (series, value) = line.rsplit_once(' ')?;
+    let value = value.parse().ok()?;
+    let (name, labels) = match series.split_once('{') {
+        Some((name, rest)) => (name, rest.strip_suffix('}')?),
+        None => (series, ""),
+    };
+    let labels = labels
+        .split(',')
+        .filter_map(|pair| {
+            let (k, v) = pair.split_once('=')?;
+            Some((k, v.trim_matches('"')))
+        })
+        .collect();
+    Some((name, labels, value))
 }
 
 #[cfg(test)]
@@ -67,5 +108,17 @@ mod tests {
         let text =
             "# HELP x y\nworkqueue_depth{name=\"a\"} 3\nworkqueue_depth{name=\"b\"} 4\nworkqueue_depth_other 9\n";
         assert_eq!(metric(text, "workqueue_depth"), 7.0);
+        assert_eq!(metric_where(text, "workqueue_depth", |l| label(l, "name") == "b"), 4.0);
+    }
+
+    #[test]
+    fn reads_a_series_and_its_labels() {
+        let (name, labels, value) =
+            parse(r#"apiserver_request_total{code="201",resource="configmaps",subresource="",verb="APPLY"} 42"#)
+                .unwrap();
+        assert_eq!(name, "apiserver_request_total");
+        assert_eq!(value, 42.0);
+        assert_eq!((label(&labels, "verb"), label(&labels, "subresource"), label(&labels, "group")), ("APPLY", "", ""));
+        assert_eq!(parse("# HELP x y"), None);
     }
 }

@@ -1,14 +1,15 @@
 //! What a run cost the control plane, from creation to convergence: the CPU-seconds of
-//! kube-apiserver and etcd (from /proc), and what kube-apiserver counted on its /metrics:
-//! requests by verb and resource, and the watch events it sent by kind. Set against the
-//! floor, which makes the same writes, it shows where an operator's extra time goes.
+//! kube-apiserver, etcd and (when it runs) kube-controller-manager, from /proc; and what
+//! kube-apiserver counted on its /metrics: requests by verb and resource, and the watch
+//! events it sent by kind. Set against the floor, which makes the same writes, it shows
+//! where an operator's extra time goes.
 
 use std::collections::BTreeMap;
 
 use kube::Client;
 use serde_json::json;
 
-use crate::sample;
+use crate::sample::{self, Labels, label};
 
 /// The control plane's counters at one moment.
 #[derive(Clone, Debug, Default)]
@@ -20,7 +21,7 @@ pub struct Snapshot {
 }
 
 pub async fn snapshot(cp: &controlplane::ControlPlane, client: &Client) -> anyhow::Result<Snapshot> {
-    let text = client.request_text(http::Request::get("/metrics").body(Vec::new())?).await?;
+    let text = sample::apiserver_metrics(client).await?;
     let mut snapshot = Snapshot {
         cpu_seconds: cp
             .pids()
@@ -30,16 +31,9 @@ pub async fn snapshot(cp: &controlplane::ControlPlane, client: &Client) -> anyho
         ..Default::default()
     };
     for line in text.lines() {
-        let Some((name, labels, value)) = parse(line) else { continue };
-        let label = |key: &str| labels.iter().find(|(k, _)| *k == key).map_or("", |(_, v)| *v);
+        let Some((name, labels, value)) = sample::parse(line) else { continue };
         let into = match name {
-            "apiserver_request_total" => {
-                let resource = match label("subresource") {
-                    "" => label("resource").to_string(),
-                    sub => format!("{}/{sub}", label("resource")),
-                };
-                Some((&mut snapshot.requests, format!("{} {resource}", label("verb"))))
-            }
+            "apiserver_request_total" => Some((&mut snapshot.requests, requested(&labels))),
             "apiserver_watch_events_total" => Some((&mut snapshot.watch_events, watched(&labels))),
             "apiserver_watch_events_sizes_sum" => Some((&mut snapshot.watch_event_bytes, watched(&labels))),
             _ => None,
@@ -52,19 +46,26 @@ pub async fn snapshot(cp: &controlplane::ControlPlane, client: &Client) -> anyho
 }
 
 /// What was spent between `before` and `after`; counters that did not move are left out.
+/// A counter that went down (kube-apiserver restarted meanwhile) is named in `went_down`,
+/// since the figures then miss what the restarted server counted before.
 pub fn report(before: &Snapshot, after: &Snapshot) -> serde_json::Value {
-    let since = |now: &BTreeMap<String, f64>, then: &BTreeMap<String, f64>| -> BTreeMap<String, f64> {
-        now.iter()
-            .map(|(k, v)| (k.clone(), v - then.get(k).copied().unwrap_or_default()))
-            .filter(|(_, v)| *v > 0.0)
-            .collect()
+    let mut went_down: Vec<String> = Vec::new();
+    let mut since = |now: &BTreeMap<String, f64>, then: &BTreeMap<String, f64>| -> BTreeMap<String, f64> {
+        let deltas = now.iter().map(|(k, v)| (k, v - then.get(k).copied().unwrap_or_default()));
+        let (moved, fell): (Vec<_>, Vec<_>) = deltas.filter(|(_, v)| *v != 0.0).partition(|(_, v)| *v > 0.0);
+        went_down.extend(fell.into_iter().map(|(k, _)| k.clone()));
+        moved.into_iter().map(|(k, v)| (k.clone(), v)).collect()
     };
-    json!({
+    let mut report = json!({
         "cpu_seconds": since(&after.cpu_seconds, &before.cpu_seconds),
         "requests": since(&after.requests, &before.requests),
         "watch_events": since(&after.watch_events, &before.watch_events),
         "watch_event_bytes": since(&after.watch_event_bytes, &before.watch_event_bytes),
-    })
+    });
+    if !went_down.is_empty() {
+        report["went_down"] = json!(went_down);
+    }
+    report
 }
 
 /// Two lines: the control plane's CPU, and the watch events it sent.
@@ -91,46 +92,44 @@ pub fn summary(report: &serde_json::Value) -> String {
         })
         .collect();
     let requests: f64 = entries("requests").iter().map(|(_, v)| v).sum();
-    format!(
+    let mut summary = format!(
         "  control plane until convergence: CPU-s {}; {requests:.0} requests; watch events sent {total:.0}, most: {}\n",
         cpu.join(", "),
         if events.is_empty() { "none".to_string() } else { events.join(", ") },
-    )
+    );
+    if let Some(down) = report["went_down"].as_array() {
+        summary += &format!("  (counters went down, so these figures are short: {} of them)\n", down.len());
+    }
+    summary
+}
+
+/// `VERB resource.group/subresource` of a request series, or `VERB /path` of a request for
+/// no resource (kube-apiserver puts its path in `resource` or in `subresource` then).
+fn requested(labels: &Labels<'_>) -> String {
+    let (verb, resource, sub) = (label(labels, "verb"), label(labels, "resource"), label(labels, "subresource"));
+    if resource.is_empty() || resource.starts_with('/') {
+        return format!("{verb} {resource}{sub}");
+    }
+    let mut key = format!("{verb} {resource}");
+    for (separator, part) in [('.', label(labels, "group")), ('/', sub)] {
+        if !part.is_empty() {
+            key.push(separator);
+            key.push_str(part);
+        }
+    }
+    key
 }
 
 /// The kind (or resource) a watch-event series is about, with its group.
-fn watched(labels: &[(&str, &str)]) -> String {
-    let label = |key: &str| labels.iter().find(|(k, _)| *k == key).map_or("", |(_, v)| *v);
-    let what = if label("kind").is_empty() { label("resource") } else { label("kind") };
-    match label("group") {
+fn watched(labels: &Labels<'_>) -> String {
+    let what = match label(labels, "kind") {
+        "" => label(labels, "resource"),
+        kind => kind,
+    };
+    match label(labels, "group") {
         "" => what.to_string(),
         group => format!("{what}.{group}"),
     }
-}
-
-/// A series' labels, as (name, value) pairs.
-type Labels<'a> = Vec<(&'a str, &'a str)>;
-
-/// `name{a="b",c="d"} value` → (name, labels, value). Label values here hold no commas or
-/// escaped quotes, which keeps this short.
-fn parse(line: &str) -> Option<(&str, Labels<'_>, f64)> {
-    if line.starts_with('#') {
-        return None;
-    }
-    let (series, value) = line.rsplit_once(' ')?;
-    let value = value.parse().ok()?;
-    let (name, labels) = match series.split_once('{') {
-        Some((name, rest)) => (name, rest.strip_suffix('}')?),
-        None => (series, ""),
-    };
-    let labels = labels
-        .split(',')
-        .filter_map(|pair| {
-            let (k, v) = pair.split_once('=')?;
-            Some((k, v.trim_matches('"')))
-        })
-        .collect();
-    Some((name, labels, value))
 }
 
 #[cfg(test)]
@@ -138,16 +137,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_a_series_and_its_labels() {
-        let (name, labels, value) =
-            parse(r#"apiserver_request_total{code="201",resource="configmaps",subresource="",verb="APPLY"} 42"#)
-                .unwrap();
-        assert_eq!(name, "apiserver_request_total");
-        assert_eq!(value, 42.0);
-        assert!(labels.contains(&("verb", "APPLY")) && labels.contains(&("subresource", "")));
-        assert_eq!(parse("# HELP x y"), None);
+    fn names_requests_and_watched_kinds() {
+        let labels = |line: &'static str| sample::parse(line).unwrap().1;
+        let status = labels(
+            r#"apiserver_request_total{group="trafficpolicy.dev",resource="applicationtrafficpolicies",subresource="status",verb="PATCH"} 1"#,
+        );
+        assert_eq!(requested(&status), "PATCH applicationtrafficpolicies.trafficpolicy.dev/status");
+        let core = labels(r#"apiserver_request_total{group="",resource="configmaps",subresource="",verb="APPLY"} 1"#);
+        assert_eq!(requested(&core), "APPLY configmaps");
+        let path = labels(r#"apiserver_request_total{group="",resource="",subresource="/metrics",verb="GET"} 1"#);
+        assert_eq!(requested(&path), "GET /metrics");
+        let path = labels(r#"apiserver_request_total{group="",resource="/openapi/v3",subresource="",verb="GET"} 1"#);
+        assert_eq!(requested(&path), "GET /openapi/v3");
         assert_eq!(
-            watched(&[("group", "trafficpolicy.dev"), ("kind", "ApplicationTrafficPolicy")]),
+            watched(&vec![("group", "trafficpolicy.dev"), ("kind", "ApplicationTrafficPolicy")]),
             "ApplicationTrafficPolicy.trafficpolicy.dev"
         );
     }
@@ -162,5 +165,13 @@ mod tests {
         let report = report(&before, &after);
         assert_eq!(report["requests"], json!({ "APPLY configmaps": 7.0 }));
         assert!(summary(&report).contains("7 requests"));
+        assert!(report.get("went_down").is_none());
+
+        let mut restarted = Snapshot::default();
+        restarted.requests.insert("APPLY configmaps".into(), 2.0);
+        restarted.requests.insert("GET leases".into(), 1.0);
+        let report = super::report(&after, &restarted);
+        assert_eq!(report["went_down"], json!(["APPLY configmaps", "GET leases"]));
+        assert!(summary(&report).contains("counters went down"));
     }
 }

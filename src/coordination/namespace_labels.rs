@@ -56,7 +56,11 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 let (id, labelled) = match done {
                     Ok((id, labelled)) => (id, labelled),
                     // Only a panic: the set is never aborted while this loop runs.
-                    Err(error) => (error.id(), false),
+                    Err(error) => {
+                        m::count_bucket_label_error();
+                        tracing::error!(%error, namespace = tasks.get(&error.id()).map(String::as_str), "labelling a namespace panicked; retrying");
+                        (error.id(), false)
+                    }
                 };
                 let Some(name) = tasks.remove(&id) else { continue };
                 let stale = busy.remove(&name).unwrap_or(false);
