@@ -16,6 +16,7 @@ use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use serde::Deserialize;
 use serde_json::json;
+use tokio_util::task::AbortOnDropHandle;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 
 use crate::run::{self, Args, Tracker};
@@ -110,11 +111,19 @@ async fn drive(client: &Client, args: &Args, id: &str) -> anyhow::Result<serde_j
         namespaces.create(&PostParams::default(), &ns).await.context("creating the run's namespaces")?;
     }
     let tracker = Arc::new(Mutex::new(Tracker::default()));
-    let watch = tokio::spawn(run::track(client.clone(), tracker.clone(), Some(format!("{RUN_LABEL}={id}"))));
+    let watch = AbortOnDropHandle::new(tokio::spawn(run::track(
+        client.clone(),
+        tracker.clone(),
+        Some(format!("{RUN_LABEL}={id}")),
+    )));
     let depth = Arc::new(Mutex::new(QueueDepth::default()));
-    let sampler = tokio::spawn(sample_queue_depth(client.clone(), args.operator_namespace.clone(), depth.clone()));
+    let sampler = AbortOnDropHandle::new(tokio::spawn(sample_queue_depth(
+        client.clone(),
+        args.operator_namespace.clone(),
+        depth.clone(),
+    )));
     let started = Instant::now();
-    let progress = run::progress(args.objects, tracker.clone())?;
+    let progress = AbortOnDropHandle::new(run::progress(args.objects, tracker.clone())?);
     run::create_all(client, args, &tracker).await?;
     let creation_seconds = started.elapsed().as_secs_f64();
     let edit_latencies = run::edit_during_backlog(client, args, &tracker).await?;

@@ -118,7 +118,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut ran: Vec<Ran> = Vec::new();
-    for round in 0..args.rounds {
+    'rounds: for round in 0..args.rounds {
         // Rotated each round, so that a different run comes first (on a control plane that
         // has just started, and on whatever the machine was doing before).
         let mut plan = AGAINST_FLOOR.to_vec();
@@ -132,12 +132,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 1 => eprintln!("== {label}"),
                 rounds => eprintln!("== {label} (round {} of {rounds})", round + 1),
             }
-            let result = run::run(run_args(&args, planned, round)).await.map_err(|e| format!("{e:#}"));
+            let result = run::run(run_args(&args, planned, round)).await;
+            let interrupted = result.as_ref().is_err_and(|e| e.downcast_ref::<run::Interrupted>().is_some());
+            let result = result.map_err(|e| format!("{e:#}"));
             match &result {
                 Ok(result) => eprint!("{}", run::summary(result)),
                 Err(error) => eprintln!("  failed: {error}"),
             }
             ran.push(Ran { label, round, result });
+            // After every run, so that a crash or a kill loses no finished run.
+            save(&args, &json!({}), &ran)?;
+            if interrupted {
+                break 'rounds;
+            }
         }
     }
 
@@ -171,23 +178,27 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let get = |label: &str, round: u16| -> Option<&Value> {
         ran.iter().find(|r| r.label == label && r.round == round)?.result.as_ref().ok()
     };
-    // A ratio in each round whose runs both finished, and its median.
-    let per_round = |of: &dyn Fn(u16) -> Option<f64>| -> (f64, Vec<f64>) {
-        let each: Vec<f64> = (0..args.rounds).filter_map(of).collect();
-        (median(each.clone()), each)
+    // A ratio in each round (none where a run it needs failed), and the median of those there are.
+    let per_round = |of: &dyn Fn(u16) -> Option<f64>| -> (f64, Vec<Option<f64>>) {
+        let each: Vec<Option<f64>> = (0..args.rounds).map(of).collect();
+        (median(each.iter().flatten().copied().collect()), each)
     };
     let mut ratios = json!({});
     println!();
     println!("| ratio | value | target | | each round |");
     println!("|---|---|---|---|---|");
-    let mut report = |key: String, what: String, (value, each): (f64, Vec<f64>), target: Option<f64>| {
-        let verdict = target.map_or("", |t| if value <= t { "pass" } else { "fail" });
+    let mut report = |key: String, what: String, (value, each): (f64, Vec<Option<f64>>), target: Option<f64>| {
+        let verdict = match target {
+            _ if value.is_nan() => "not measured: a run it needs failed",
+            Some(t) if value <= t => "pass",
+            Some(_) => "fail",
+            None => "",
+        };
         let target = target.map_or(String::new(), |t| format!("≤ {t}"));
-        let each_value = each.clone();
-        let each: Vec<String> = each.iter().map(|v| format!("{v:.2}")).collect();
-        let verdict = if value.is_nan() { "no finished run" } else { verdict };
-        println!("| {what} | {value:.2} | {target} | {verdict} | {} |", each.join(", "));
-        ratios[format!("{key}_each")] = json!(each_value);
+        let shown: Vec<String> = each.iter().map(|v| v.map_or("–".into(), |v| format!("{v:.2}"))).collect();
+        let shown = if each.len() > 1 { shown.join(", ") } else { String::new() };
+        println!("| {what} | {value:.2} | {target} | {verdict} | {shown} |");
+        ratios[format!("{key}_each")] = json!(each);
         ratios[key] = json!(value);
     };
     for (label, target) in
@@ -204,8 +215,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let key = |what: &str| format!("{}_{what}", peer.replace([' ', ','], "_"));
             // The peers run in the first round only.
             let once = |of: fn(&Value) -> f64| {
-                let value = get("operator x1", 0).zip(get(peer, 0)).map_or(f64::NAN, |(ours, p)| of(ours) / of(p));
-                (value, if value.is_nan() { vec![] } else { vec![value] })
+                let value = get("operator x1", 0).zip(get(peer, 0)).map(|(ours, p)| of(ours) / of(p));
+                (value.unwrap_or(f64::NAN), vec![value])
             };
             report(key("cpu"), format!("operator / {peer}: CPU-seconds"), once(cpu), target);
             report(key("peak_rss"), format!("operator / {peer}: peak RSS"), once(peak), target);
@@ -219,22 +230,29 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Some(0.4),
     );
 
+    save(&args, &ratios, &ran)?;
+    eprintln!("wrote {}", args.out.display());
+    let failed = ran.iter().filter(|r| r.result.is_err()).count();
+    anyhow::ensure!(failed == 0, "{failed} of the comparison's runs failed (see above and {})", args.out.display());
+    Ok(())
+}
+
+/// Writes `compare.json`: the ratios (once they are known) and every run so far, a failed
+/// one as its error.
+fn save(args: &Args, ratios: &Value, ran: &[Ran]) -> anyhow::Result<()> {
     if let Some(dir) = args.out.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let all: Vec<Value> = ran
-        .into_iter()
+    let runs: Vec<Value> = ran
+        .iter()
         .map(|Ran { label, round, result }| {
-            let mut result = result.unwrap_or_else(|error| json!({ "error": error }));
-            result["label"] = json!(label);
-            result["round"] = json!(round + 1);
-            result
+            let mut run = result.clone().unwrap_or_else(|error| json!({ "error": error }));
+            run["label"] = json!(label);
+            run["round"] = json!(round + 1);
+            run
         })
         .collect();
-    let failed = all.iter().filter(|r| r.get("error").is_some()).count();
-    std::fs::write(&args.out, serde_json::to_string_pretty(&json!({ "ratios": ratios, "runs": all }))?)?;
-    eprintln!("wrote {}", args.out.display());
-    anyhow::ensure!(failed == 0, "{failed} of the comparison's runs failed (see above and {})", args.out.display());
+    std::fs::write(&args.out, serde_json::to_string_pretty(&json!({ "ratios": ratios, "runs": runs }))?)?;
     Ok(())
 }
 

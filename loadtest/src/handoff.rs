@@ -15,6 +15,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
 use kube::api::Api;
 use serde_json::json;
+use tokio_util::task::AbortOnDropHandle;
 use traffic_policy_operator::coordination::follower::record_published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
@@ -125,6 +126,7 @@ pub async fn measure(
 ) -> anyhow::Result<serde_json::Value> {
     let before = settled(client, args, replicas, "convergence").await?;
     let (recorded, recorder) = record_published(Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE));
+    let recorder = AbortOnDropHandle::new(recorder);
     tokio::time::timeout(Duration::from_secs(30), async {
         while recorded.lock().unwrap().is_empty() {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -138,7 +140,7 @@ pub async fn measure(
     let stop = Arc::new(AtomicBool::new(false));
     let editor = {
         let (client, args, tracker, stop) = (client.clone(), args.clone(), tracker.clone(), stop.clone());
-        tokio::spawn(async move {
+        AbortOnDropHandle::new(tokio::spawn(async move {
             let mut latencies = Vec::new();
             for n in 0.. {
                 if stop.load(Ordering::Relaxed) {
@@ -148,7 +150,7 @@ pub async fn measure(
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             anyhow::Ok(latencies)
-        })
+        }))
     };
 
     let name = format!("load-{}", replicas.len());

@@ -55,10 +55,12 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
             Some(done) = in_flight.join_next_with_id() => {
                 let (id, labelled) = match done {
                     Ok((id, labelled)) => (id, labelled),
-                    // Only a panic: the set is never aborted while this loop runs.
+                    // Only a panic: the set is never aborted while this loop runs. Logged as an
+                    // error each time (a bug, not a refusal), at the pace of the namespace's backoff.
                     Err(error) => {
                         m::count_bucket_label_error();
-                        tracing::error!(%error, namespace = tasks.get(&error.id()).map(String::as_str), "labelling a namespace panicked; retrying");
+                        let namespace = tasks.get(&error.id()).map(String::as_str);
+                        tracing::error!(%error, namespace, "labelling a namespace panicked; retrying");
                         (error.id(), false)
                     }
                 };

@@ -11,8 +11,11 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event as K8sEvent;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, ObjectMeta, PostParams};
+use kube::core::Request;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource};
+
+use serde::de::IgnoredAny;
 
 use crate::api::ApplicationTrafficPolicy;
 
@@ -54,8 +57,12 @@ impl Events {
             Occurrence::Once => {
                 let event = self.normal(policy.object_ref(&()), reason, note);
                 let namespace = event.metadata.namespace.clone().unwrap_or_default();
-                let events = Api::<K8sEvent>::namespaced(self.client.clone(), &namespace);
-                events.create(&PostParams::default(), &event).await.map(drop)
+                let url = Api::<K8sEvent>::namespaced(self.client.clone(), &namespace).resource_url().to_string();
+                let body = serde_json::to_vec(&event).map_err(kube::Error::SerdeError)?;
+                let request =
+                    Request::new(url).create(&PostParams::default(), body).map_err(kube::Error::BuildRequest)?;
+                // The answer repeats the event: nothing in it is read, so it is skipped unparsed.
+                self.client.request::<IgnoredAny>(request).await.map(drop)
             }
         }
     }

@@ -25,8 +25,8 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::core::Request;
 use kube::runtime::events::EventType;
 use kube::{Client, Resource, ResourceExt};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
 
 use self::cached::CachedPolicy;
 use self::events::{Events, Occurrence};
@@ -48,6 +48,20 @@ pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 /// policy keeps no annotations).
 pub fn labelled_from_backlog(policy: &ApplicationTrafficPolicy) -> bool {
     policy.annotations().contains_key(bucket::BACKLOG_ANNOTATION)
+}
+
+/// All the reconcile reads of a child's apply answer: its new resourceVersion. Reading
+/// only this lets serde skip the rest of the object unparsed, its managedFields above all,
+/// which the answer repeats in full (the status and event answers are skipped whole).
+#[derive(Deserialize)]
+struct Applied {
+    metadata: AppliedMetadata,
+}
+
+#[derive(Deserialize)]
+struct AppliedMetadata {
+    #[serde(rename = "resourceVersion", default)]
+    resource_version: String,
 }
 
 pub struct TrafficPolicyReconciler {
@@ -100,7 +114,7 @@ impl TrafficPolicyReconciler {
         gate: &dyn WriteGate,
     ) -> Result<ApplyEffect>
     where
-        C: Resource + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
+        C: Resource + Serialize,
     {
         let content = content_hash(&child);
         if self.child_versions.holds(kind, key, content) {
@@ -114,7 +128,7 @@ impl TrafficPolicyReconciler {
             .patch(&child.name_any(), &params, &Patch::Apply(&child))
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
-        let applied: C = bounded(gate, self.client.request(request)).await.map_err(|e| match e {
+        let applied: Applied = bounded(gate, self.client.request(request)).await.map_err(|e| match e {
             Error::Kube(kube::Error::Api(status)) if is_fenced(&status) => Error::Fenced,
             // The server refused the object as invalid: the spec holds something the CRD
             // schema could not rule out (e.g. an invalid label key). Retrying won't help.
@@ -123,7 +137,7 @@ impl TrafficPolicyReconciler {
             }
             other => other,
         })?;
-        let version = applied.resource_version().unwrap_or_default();
+        let version = applied.metadata.resource_version;
         Ok(self.child_versions.written(kind, key, &version, policy.meta().generation, content))
     }
 
@@ -150,7 +164,7 @@ impl TrafficPolicyReconciler {
             .patch_subresource("status", &policy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
-        match bounded(gate, self.client.request::<ApplicationTrafficPolicy>(request)).await {
+        match bounded(gate, self.client.request::<IgnoredAny>(request)).await {
             Ok(_) => Ok(()),
             // Deleted meanwhile: nothing left to report on.
             Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => Ok(()),

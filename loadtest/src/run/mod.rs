@@ -16,6 +16,7 @@ use clap::ValueEnum;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ObjectMeta, PostParams};
 use serde_json::json;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::sample::{self, Sample};
 pub use replicas::{Replica, Watched, start_replica};
@@ -203,16 +204,30 @@ pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
         feature_gates,
         ..Default::default()
     };
+    // Listening from here on, so that a Ctrl-C while the control plane starts counts too.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let cp = tokio::task::spawn_blocking(move || controlplane::ControlPlane::start(config)).await??;
     eprintln!("control plane: {}", cp.dir().display());
     let outcome = tokio::select! {
         result = drive(&cp, &args) => result,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted; cleaning up")),
+        _ = interrupt.recv() => Err(Interrupted.into()),
     };
     // Dropping the control plane removes every object and its directory.
     tokio::task::spawn_blocking(move || drop(cp)).await?;
     outcome
 }
+
+/// A run stopped by Ctrl-C (after cleaning up): `compare` stops there too.
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted; the control plane was cleaned up")
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<serde_json::Value> {
     let client = cp.client().await?;
@@ -231,7 +246,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         crate::deploy::install_bucket_labels(&client, &args.namespace_name(0)).await?;
     }
     let tracker = Arc::new(Mutex::new(Tracker::default()));
-    let watch = tokio::spawn(track(client.clone(), tracker.clone(), None));
+    let watch = AbortOnDropHandle::new(tokio::spawn(track(client.clone(), tracker.clone(), None)));
     let server_before = crate::server_load::snapshot(cp, &client).await?;
     let started = Instant::now();
     if args.preload {
@@ -245,9 +260,9 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let pids: Watched =
         Arc::new(Mutex::new(replicas.iter().map(|r| (r.name.clone(), r.process.pid(), r.metrics_port)).collect()));
-    let sampler = tokio::spawn(sample_loop(pids.clone(), samples.clone(), started));
+    let sampler = AbortOnDropHandle::new(tokio::spawn(sample_loop(pids.clone(), samples.clone(), started)));
 
-    let ticker = progress(args.objects, tracker.clone())?;
+    let ticker = AbortOnDropHandle::new(progress(args.objects, tracker.clone())?);
 
     let kill = args.kill_after.map(|after| started + Duration::from_secs_f64(after));
     if !args.preload {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use futures::{StreamExt, TryStreamExt};
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
@@ -286,7 +286,7 @@ pub async fn track(client: Client, tracker: Arc<Mutex<Tracker>>, labels: Option<
         Some(labels) => watcher::Config::default().labels(labels),
         None => watcher::Config::default(),
     };
-    let mut events = watcher(api, config).boxed();
+    let mut events = watcher(api, config).default_backoff().boxed();
     while let Some(event) = events.next().await {
         match event {
             Ok(watcher::Event::Apply(policy) | watcher::Event::InitApply(policy)) => {
