@@ -209,9 +209,15 @@ pub(super) struct Retries<K> {
 
 impl<K: Clone + Eq + std::hash::Hash> Retries<K> {
     pub(super) fn later(&mut self, key: K) {
-        let failures = self.failures.entry(key.clone()).or_insert(0);
-        *failures += 1;
-        self.due.insert(key, self.backoff.delay(*failures));
+        let failures = self.failures.get(&key).map_or(1, |failures| failures + 1);
+        self.later_as(key, failures);
+    }
+
+    /// [`Self::later`], as the `failures`-th failure in a row: for a caller that counts the
+    /// failures itself, across successes.
+    pub(super) fn later_as(&mut self, key: K, failures: u32) {
+        self.failures.insert(key.clone(), failures);
+        self.due.insert(key, self.backoff.delay(failures));
     }
 
     pub(super) fn forget(&mut self, key: &K) {

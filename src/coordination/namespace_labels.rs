@@ -11,6 +11,7 @@
 //! admitted before its namespace was labelled.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
@@ -18,6 +19,7 @@ use kube::api::{Api, PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 use super::labeller::Retries;
 use crate::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
@@ -27,11 +29,17 @@ use crate::telemetry::metrics as m;
 /// and a policy written in one of them meanwhile waits for the policy labeller.
 const CONCURRENCY: usize = 16;
 
+/// A label removed this soon after the leader wrote it was removed by someone else, such as
+/// a controller that disagrees: putting it back at once each time would make the two patch
+/// in a hot loop.
+const CONTESTED_WITHIN: Duration = Duration::from_secs(10);
+
 /// Keeps every watched namespace's bucket label right (a namespace created later, or a label
 /// removed or changed by hand, included). Runs while leading. A namespace whose patch fails
 /// (a webhook refusing it, a 429, or a webhook that strips the label as it is written) is
 /// retried after its own backoff, and its watch events are ignored meanwhile, as they are
-/// while its patch is in flight, so that no failure becomes a hot loop.
+/// while its patch is in flight, so that no failure becomes a hot loop. A label that keeps
+/// being removed soon after it is written is put back after a backoff too.
 pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     let api: Api<Namespace> = Api::all(client.clone());
     let metadata: Api<PartialObjectMeta<Namespace>> = Api::all(client);
@@ -49,6 +57,7 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     // Whose each task is, so that a task that panicked still frees its namespace.
     let mut tasks: HashMap<tokio::task::Id, String> = HashMap::new();
     let mut list_refused = false;
+    let mut contested = Contested::default();
     loop {
         let room = in_flight.len() < CONCURRENCY;
         let name = tokio::select! {
@@ -66,11 +75,17 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 };
                 let Some(name) = tasks.remove(&id) else { continue };
                 let stale = busy.remove(&name).unwrap_or(false);
-                if labelled {
-                    retries.forget(&name);
-                }
-                if !labelled || stale {
+                if !labelled {
                     retries.later(name);
+                    continue;
+                }
+                retries.forget(&name);
+                contested.labelled(&name);
+                if stale {
+                    // Removed while the patch was on its way back: contested too, so that a
+                    // controller quicker than this loop cannot make it patch without backoff.
+                    let streak = contested.removed(&name).unwrap_or(1);
+                    retries.later_as(name, streak);
                 }
                 continue;
             }
@@ -82,6 +97,18 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                         *stale = true;
                     }
                     if labelled || busy.contains_key(&name) || retries.failing(&name) {
+                        continue;
+                    }
+                    if let Some(streak) = contested.removed(&name) {
+                        m::count_bucket_label_error();
+                        if streak == 1 {
+                            tracing::warn!(
+                                namespace = name,
+                                "the namespace's bucket label was removed within {CONTESTED_WITHIN:?} of being written \
+                                 (does another controller remove it?); it is put back after a growing backoff"
+                            );
+                        }
+                        retries.later_as(name, streak);
                         continue;
                     }
                     name
@@ -114,6 +141,30 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     }
 }
 
+/// When the leader last labelled each namespace it labelled (one entry per namespace), and how
+/// many times in a row the label was then removed within [`CONTESTED_WITHIN`].
+#[derive(Default)]
+struct Contested(HashMap<String, (Instant, u32)>);
+
+impl Contested {
+    fn labelled(&mut self, name: &str) {
+        let entry = self.0.entry(name.to_owned()).or_insert((Instant::now(), 0));
+        entry.0 = Instant::now();
+    }
+
+    /// For a namespace seen without its label: how many times in a row it was removed soon
+    /// after being written, or `None` when it was not (then it is put back at once).
+    fn removed(&mut self, name: &str) -> Option<u32> {
+        let (labelled_at, streak) = self.0.get_mut(name)?;
+        if labelled_at.elapsed() >= CONTESTED_WITHIN {
+            *streak = 0;
+            return None;
+        }
+        *streak += 1;
+        Some(*streak)
+    }
+}
+
 /// Puts the namespace's bucket label on it; whether the label is there afterwards. A failure
 /// is logged as a warning the first time since the namespace last succeeded, and at debug
 /// level on its retries: a namespace that a policy engine protects is refused for good.
@@ -141,5 +192,26 @@ async fn label(api: &Api<Namespace>, name: &str, first_failure: bool) -> bool {
             tracing::debug!(%error, namespace = name, "labelling a namespace failed again; retrying");
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_label_removed_soon_after_each_write_is_contested_for_longer_each_time() {
+        let mut contested = Contested::default();
+        assert_eq!(contested.removed("a"), None, "never labelled by this leader: put back at once");
+        contested.labelled("a");
+        assert_eq!(contested.removed("a"), Some(1));
+        contested.labelled("a");
+        tokio::time::advance(CONTESTED_WITHIN - Duration::from_millis(1)).await;
+        assert_eq!(contested.removed("a"), Some(2), "the streak goes on across writes");
+        contested.labelled("a");
+        tokio::time::advance(CONTESTED_WITHIN).await;
+        assert_eq!(contested.removed("a"), None, "a label that lasted is put back at once");
+        contested.labelled("a");
+        assert_eq!(contested.removed("a"), Some(1), "and a new streak starts from the first failure");
     }
 }

@@ -7,7 +7,9 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
+use std::time::{Duration, Instant};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::runtime::backoff::Backoff;
 use traffic_policy_operator::sharding::bucket::{BUCKET_LABEL, BUCKETS, bucket_of, label_value};
 
 use crate::lifecycle::policy;
@@ -57,6 +59,35 @@ async fn a_policy_carries_its_bucket_label_from_its_first_write() {
         (labelled && operator.metric("traffic_policy_namespace_labels_total", None) == 2.0).then_some(())
     })
     .await;
+
+    // A controller that removes the label as soon as it is back: the leader puts it back after
+    // a growing backoff, not in a hot loop, so the removals take at least the backoff's delays.
+    const REMOVALS: u32 = 9;
+    let labels_before = operator.metric("traffic_policy_namespace_labels_total", None);
+    let started = Instant::now();
+    let mut removed = 0;
+    while removed < REMOVALS {
+        assert!(started.elapsed() < Duration::from_secs(60), "the label came back only {removed} times in 60 s");
+        let labels = namespaces.get(&env.namespace).await.unwrap().labels().clone();
+        if labels.get(BUCKET_LABEL) == Some(&bucket) {
+            namespaces.patch(&env.namespace, &PatchParams::default(), &Patch::Merge(&unlabel)).await.unwrap();
+            removed += 1;
+        } else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let patches = eventually("the leader labels the namespace after the last removal", || async {
+        let labels = namespaces.get(&env.namespace).await.ok()?.labels().clone();
+        let patches = operator.metric("traffic_policy_namespace_labels_total", None) - labels_before;
+        (labels.get(BUCKET_LABEL) == Some(&bucket) && patches >= f64::from(REMOVALS)).then_some(patches)
+    })
+    .await;
+    let took = started.elapsed();
+    let least: Duration = (1..=REMOVALS).map(|n| Backoff::default().delay(n)).sum();
+    assert!(took >= least, "{REMOVALS} removals answered in {took:?}, less than the backoff's {least:?}");
+    // One patch per removal, and one more for a removal seen while a patch was on its way.
+    assert!(patches <= f64::from(2 * REMOVALS), "{patches} patches answered {REMOVALS} removals");
+
     let policy_labels = operator.metric("traffic_policy_bucket_labels_total", None);
     assert_eq!(policy_labels, 0.0, "the leader patched {policy_labels} policies with their label");
 }
