@@ -210,12 +210,12 @@ pub(super) struct Retries<K> {
 impl<K: Clone + Eq + std::hash::Hash> Retries<K> {
     pub(super) fn later(&mut self, key: K) {
         let failures = self.failures.get(&key).map_or(1, |failures| failures + 1);
-        self.later_as(key, failures);
+        self.later_with_failures(key, failures);
     }
 
     /// [`Self::later`], as the `failures`-th failure in a row: for a caller that counts the
     /// failures itself, across successes.
-    pub(super) fn later_as(&mut self, key: K, failures: u32) {
+    pub(super) fn later_with_failures(&mut self, key: K, failures: u32) {
         self.failures.insert(key.clone(), failures);
         self.due.insert(key, self.backoff.delay(failures));
     }

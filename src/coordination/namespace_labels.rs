@@ -62,30 +62,34 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
         let room = in_flight.len() < CONCURRENCY;
         let name = tokio::select! {
             Some(done) = in_flight.join_next_with_id() => {
-                let (id, labelled) = match done {
-                    Ok((id, labelled)) => (id, labelled),
+                let (id, outcome) = match done {
+                    Ok((id, outcome)) => (id, outcome),
                     // Only a panic: the set is never aborted while this loop runs. Logged as an
                     // error each time (a bug, not a refusal), at the pace of the namespace's backoff.
                     Err(error) => {
                         m::count_bucket_label_error();
                         let namespace = tasks.get(&error.id()).map(String::as_str);
                         tracing::error!(%error, namespace, "labelling a namespace panicked; retrying");
-                        (error.id(), false)
+                        (error.id(), Labelling::Failed)
                     }
                 };
                 let Some(name) = tasks.remove(&id) else { continue };
                 let stale = busy.remove(&name).unwrap_or(false);
-                if !labelled {
-                    retries.later(name);
-                    continue;
-                }
-                retries.forget(&name);
-                contested.labelled(&name);
-                if stale {
-                    // Removed while the patch was on its way back: contested too, so that a
-                    // controller quicker than this loop cannot make it patch without backoff.
-                    let streak = contested.removed(&name).unwrap_or(1);
-                    retries.later_as(name, streak);
+                match outcome {
+                    Labelling::Failed => retries.later(name),
+                    Labelling::Gone => {
+                        retries.forget(&name);
+                        contested.forget(&name);
+                    }
+                    Labelling::Done => {
+                        retries.forget(&name);
+                        contested.labelled(&name);
+                        // Removed while the patch was on its way back: contested too, so that a
+                        // controller quicker than this loop cannot make it patch without backoff.
+                        if stale && !contested.back_off(&mut retries, &name) {
+                            retries.later(name);
+                        }
+                    }
                 }
                 continue;
             }
@@ -99,21 +103,21 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                     if labelled || busy.contains_key(&name) || retries.failing(&name) {
                         continue;
                     }
-                    if let Some(streak) = contested.removed(&name) {
-                        m::count_bucket_label_error();
-                        if streak == 1 {
-                            tracing::warn!(
-                                namespace = name,
-                                "the namespace's bucket label was removed within {CONTESTED_WITHIN:?} of being written \
-                                 (does another controller remove it?); it is put back after a growing backoff"
-                            );
-                        }
-                        retries.later_as(name, streak);
+                    if contested.back_off(&mut retries, &name) {
                         continue;
                     }
                     name
                 }
-                Some(Ok(_)) => continue,
+                Some(Ok(watcher::Event::Delete(ns))) => {
+                    contested.forget(&ns.name_any());
+                    continue;
+                }
+                // After each (re)list: what a missed Delete left behind goes.
+                Some(Ok(watcher::Event::InitDone)) => {
+                    contested.prune(&retries);
+                    continue;
+                }
+                Some(Ok(watcher::Event::Init)) => continue,
                 // Without the component's grant: the watcher tries again after its backoff (up
                 // to 30 s apart), so a grant added later takes effect without a restart.
                 Some(Err(watcher::Error::InitialListFailed(kube::Error::Api(s)))) if s.code == 403 => {
@@ -141,8 +145,8 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     }
 }
 
-/// When the leader last labelled each namespace it labelled (one entry per namespace), and how
-/// many times in a row the label was then removed within [`CONTESTED_WITHIN`].
+/// When the leader last labelled each namespace it labelled (one entry per namespace that
+/// exists), and how many times in a row the label was then removed within [`CONTESTED_WITHIN`].
 #[derive(Default)]
 struct Contested(HashMap<String, (Instant, u32)>);
 
@@ -152,9 +156,36 @@ impl Contested {
         entry.0 = Instant::now();
     }
 
+    fn forget(&mut self, name: &str) {
+        self.0.remove(name);
+    }
+
+    /// Drops the entries that tell nothing: labelled long ago, with no retry pending (a
+    /// removal now would start a new streak anyway).
+    fn prune(&mut self, retries: &Retries<String>) {
+        self.0.retain(|name, (labelled_at, _)| labelled_at.elapsed() < CONTESTED_WITHIN || retries.failing(name));
+    }
+
+    /// For a namespace seen without its label: when the label was removed soon after the
+    /// leader wrote it, schedules it again after the streak's backoff, counts and logs that,
+    /// and returns true; false when it should be put back at once.
+    fn back_off(&mut self, retries: &mut Retries<String>, name: &str) -> bool {
+        let Some(streak) = self.note_removal(name) else { return false };
+        m::count_bucket_label_error();
+        if streak == 1 {
+            tracing::warn!(
+                namespace = name,
+                "the namespace's bucket label was removed within {CONTESTED_WITHIN:?} of being written \
+                 (does another controller remove it?); it is put back after a growing backoff"
+            );
+        }
+        retries.later_with_failures(name.to_owned(), streak);
+        true
+    }
+
     /// For a namespace seen without its label: how many times in a row it was removed soon
     /// after being written, or `None` when it was not (then it is put back at once).
-    fn removed(&mut self, name: &str) -> Option<u32> {
+    fn note_removal(&mut self, name: &str) -> Option<u32> {
         let (labelled_at, streak) = self.0.get_mut(name)?;
         if labelled_at.elapsed() >= CONTESTED_WITHIN {
             *streak = 0;
@@ -165,34 +196,42 @@ impl Contested {
     }
 }
 
-/// Puts the namespace's bucket label on it; whether the label is there afterwards. A failure
-/// is logged as a warning the first time since the namespace last succeeded, and at debug
-/// level on its retries: a namespace that a policy engine protects is refused for good.
-async fn label(api: &Api<Namespace>, name: &str, first_failure: bool) -> bool {
+/// Puts the namespace's bucket label on it (done only when the answer shows the label). A
+/// failure is logged as a warning the first time since the namespace last succeeded, and at
+/// debug level on its retries: a namespace that a policy engine protects is refused for good.
+async fn label(api: &Api<Namespace>, name: &str, first_failure: bool) -> Labelling {
     let bucket = label_value(bucket_of(name));
     let patch = serde_json::json!({ "metadata": { "labels": { BUCKET_LABEL: &bucket } } });
     match api.patch_metadata(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
         Ok(ns) if ns.labels().get(BUCKET_LABEL) == Some(&bucket) => {
             m::count_namespace_label();
-            true
+            Labelling::Done
         }
         Ok(_) => {
             m::count_bucket_label_error();
             tracing::warn!(namespace = name, "the namespace's bucket label was removed as it was written; retrying");
-            false
+            Labelling::Failed
         }
-        Err(kube::Error::Api(s)) if s.code == 404 => true,
+        Err(kube::Error::Api(s)) if s.code == 404 => Labelling::Gone,
         Err(error) if first_failure => {
             m::count_bucket_label_error();
             tracing::warn!(%error, namespace = name, "labelling a namespace failed; retrying");
-            false
+            Labelling::Failed
         }
         Err(error) => {
             m::count_bucket_label_error();
             tracing::debug!(%error, namespace = name, "labelling a namespace failed again; retrying");
-            false
+            Labelling::Failed
         }
     }
+}
+
+/// What became of one patch of a namespace's label.
+enum Labelling {
+    Done,
+    /// The namespace is gone.
+    Gone,
+    Failed,
 }
 
 #[cfg(test)]
@@ -202,16 +241,31 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_label_removed_soon_after_each_write_is_contested_for_longer_each_time() {
         let mut contested = Contested::default();
-        assert_eq!(contested.removed("a"), None, "never labelled by this leader: put back at once");
+        assert_eq!(contested.note_removal("a"), None, "never labelled by this leader: put back at once");
         contested.labelled("a");
-        assert_eq!(contested.removed("a"), Some(1));
+        assert_eq!(contested.note_removal("a"), Some(1));
         contested.labelled("a");
         tokio::time::advance(CONTESTED_WITHIN - Duration::from_millis(1)).await;
-        assert_eq!(contested.removed("a"), Some(2), "the streak goes on across writes");
+        assert_eq!(contested.note_removal("a"), Some(2), "the streak goes on across writes");
         contested.labelled("a");
         tokio::time::advance(CONTESTED_WITHIN).await;
-        assert_eq!(contested.removed("a"), None, "a label that lasted is put back at once");
+        assert_eq!(contested.note_removal("a"), None, "a label that lasted is put back at once");
         contested.labelled("a");
-        assert_eq!(contested.removed("a"), Some(1), "and a new streak starts from the first failure");
+        assert_eq!(contested.note_removal("a"), Some(1), "and a new streak starts from the first failure");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pruning_keeps_what_a_streak_still_needs() {
+        let (mut contested, mut retries) = (Contested::default(), Retries::default());
+        for name in ["old", "waiting"] {
+            contested.labelled(name);
+        }
+        assert!(contested.back_off(&mut retries, "waiting"), "removed at once: contested");
+        tokio::time::advance(CONTESTED_WITHIN).await;
+        contested.labelled("fresh");
+        contested.prune(&retries);
+        let mut kept: Vec<&str> = contested.0.keys().map(String::as_str).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, ["fresh", "waiting"], "a streak with its retry pending survives its ten seconds");
     }
 }
