@@ -10,7 +10,7 @@
 //! later takes effect), and [`super::labeller`] labels each policy, as it still does for one
 //! admitted before its namespace was labelled.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -58,6 +58,9 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
     let mut tasks: HashMap<tokio::task::Id, String> = HashMap::new();
     let mut list_refused = false;
     let mut contested = Contested::default();
+    // Namespaces whose last patch failed: only the first failure of a run is a warning (a
+    // contested label waits in `retries` too, yet its last patch succeeded).
+    let mut refused: HashSet<String> = HashSet::new();
     loop {
         let room = in_flight.len() < CONCURRENCY;
         let name = tokio::select! {
@@ -75,8 +78,14 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 };
                 let Some(name) = tasks.remove(&id) else { continue };
                 let stale = busy.remove(&name).unwrap_or(false);
+                if !matches!(outcome, Labelling::Failed) {
+                    refused.remove(&name);
+                }
                 match outcome {
-                    Labelling::Failed => retries.later(name),
+                    Labelling::Failed => {
+                        refused.insert(name.clone());
+                        retries.later(name);
+                    }
                     Labelling::Gone => {
                         retries.forget(&name);
                         contested.forget(&name);
@@ -110,6 +119,7 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 }
                 Some(Ok(watcher::Event::Delete(ns))) => {
                     contested.forget(&ns.name_any());
+                    refused.remove(&ns.name_any());
                     continue;
                 }
                 // After each (re)list: what a missed Delete left behind goes.
@@ -139,7 +149,7 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
             Some(name) = retries.next_due(), if room => name,
         };
         busy.insert(name.clone(), false);
-        let (api, first_failure, task_name) = (api.clone(), !retries.failing(&name), name.clone());
+        let (api, first_failure, task_name) = (api.clone(), !refused.contains(&name), name.clone());
         let task = in_flight.spawn(async move { label(&api, &task_name, first_failure).await });
         tasks.insert(task.id(), name);
     }
@@ -175,8 +185,8 @@ impl Contested {
         if streak == 1 {
             tracing::warn!(
                 namespace = name,
-                "the namespace's bucket label was removed within {CONTESTED_WITHIN:?} of being written \
-                 (does another controller remove it?); it is put back after a growing backoff"
+                "the namespace's bucket label was removed or changed within {CONTESTED_WITHIN:?} of being \
+                 written (does another controller remove it?); it is put back after a growing backoff"
             );
         }
         retries.later_with_failures(name.to_owned(), streak);
