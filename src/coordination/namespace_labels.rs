@@ -78,14 +78,13 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 };
                 let Some(name) = tasks.remove(&id) else { continue };
                 let stale = busy.remove(&name).unwrap_or(false);
-                if !matches!(outcome, Labelling::Failed) {
+                if matches!(outcome, Labelling::Failed) {
+                    refused.insert(name.clone());
+                } else {
                     refused.remove(&name);
                 }
                 match outcome {
-                    Labelling::Failed => {
-                        refused.insert(name.clone());
-                        retries.later(name);
-                    }
+                    Labelling::Failed => retries.later(name),
                     Labelling::Gone => {
                         retries.forget(&name);
                         contested.forget(&name);
@@ -118,8 +117,9 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                     name
                 }
                 Some(Ok(watcher::Event::Delete(ns))) => {
-                    contested.forget(&ns.name_any());
-                    refused.remove(&ns.name_any());
+                    let name = ns.name_any();
+                    contested.forget(&name);
+                    refused.remove(&name);
                     continue;
                 }
                 // After each (re)list: what a missed Delete left behind goes.
@@ -162,8 +162,8 @@ struct Contested(HashMap<String, (Instant, u32)>);
 
 impl Contested {
     fn labelled(&mut self, name: &str) {
-        let entry = self.0.entry(name.to_owned()).or_insert((Instant::now(), 0));
-        entry.0 = Instant::now();
+        let now = Instant::now();
+        self.0.entry(name.to_owned()).and_modify(|(labelled_at, _)| *labelled_at = now).or_insert((now, 0));
     }
 
     fn forget(&mut self, name: &str) {

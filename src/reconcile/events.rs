@@ -14,7 +14,6 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::core::Request;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource};
-
 use serde::de::IgnoredAny;
 
 use crate::api::ApplicationTrafficPolicy;

@@ -3,11 +3,12 @@
 //! onto every policy written there, so the leader patches no policy and a new policy is in its
 //! owner's watch from its first write.
 
+use std::time::{Duration, Instant};
+
 use k8s_openapi::api::core::v1::Namespace;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
-use std::time::{Duration, Instant};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 use traffic_policy_operator::runtime::backoff::Backoff;
 use traffic_policy_operator::sharding::bucket::{BUCKET_LABEL, BUCKETS, bucket_of, label_value};
