@@ -240,8 +240,12 @@ impl Fleet {
     }
 }
 
-/// Sets a policy's rate to the next value of the global counter; the value set.
+/// Sets a policy's rate to the next value of the global counter; the value set. One change
+/// at a time: two concurrent changes of one policy (the churn and a scenario's own) could
+/// reach the API server in the opposite order of their values, and its spec go back.
 pub async fn set_rate(client: &Client, namespace: &str, name: &str) -> Option<u64> {
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _turn = ONE_AT_A_TIME.lock().await;
     let value = COUNTER.fetch_add(1, Ordering::Relaxed);
     let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": value } } });
     let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
