@@ -13,6 +13,9 @@ pub struct Sample {
     pub replica: String,
     pub cpu_seconds: f64,
     pub rss_bytes: u64,
+    /// The anonymous part of `rss_bytes`: the heap and stacks, without the mapped code of the
+    /// binary and its libraries (which the kernel reads ahead, so it depends on the binary's size).
+    pub anon_rss_bytes: u64,
     pub queue_depth: f64,
     pub cached_objects: f64,
     /// Series in the replica's /metrics exposition (comment lines excluded).
@@ -27,14 +30,21 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
     Some(ticks / TICKS_PER_SECOND)
 }
 
-/// (current RSS, peak RSS) in bytes.
-pub fn memory(pid: u32) -> Option<(u64, u64)> {
+/// A process's memory from /proc/PID/status, in bytes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Memory {
+    pub rss: u64,
+    /// RssAnon: the part of `rss` that is neither mapped files nor shared memory (0 before Linux 4.5).
+    pub anon_rss: u64,
+}
+
+pub fn memory(pid: u32) -> Option<Memory> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |name: &str| -> Option<u64> {
         let line = status.lines().find(|l| l.starts_with(name))?;
         Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
     };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
+    Some(Memory { rss: field("VmRSS:")?, anon_rss: field("RssAnon:").unwrap_or(0) })
 }
 
 /// How many series an exposition holds.
@@ -99,8 +109,8 @@ mod tests {
     #[test]
     fn reads_this_process() {
         assert!(cpu_seconds(std::process::id()).is_some());
-        let (rss, peak) = memory(std::process::id()).unwrap();
-        assert!(rss > 0 && peak >= rss);
+        let memory = memory(std::process::id()).unwrap();
+        assert!(memory.anon_rss > 0 && memory.rss >= memory.anon_rss);
     }
 
     #[test]

@@ -342,6 +342,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
                 "replica": name,
                 "cpu_seconds": mine.iter().map(|s| s.cpu_seconds).fold(0.0, f64::max),
                 "peak_rss_bytes": mine.iter().map(|s| s.rss_bytes).max().unwrap_or(0),
+                "peak_anon_rss_bytes": mine.iter().map(|s| s.anon_rss_bytes).max().unwrap_or(0),
                 "final_rss_bytes": mine.last().map(|s| s.rss_bytes).unwrap_or(0),
                 "final_cached_objects": mine.last().map(|s| s.cached_objects).unwrap_or(0.0),
                 "final_metrics_series": mine.last().map(|s| s.series).unwrap_or(0),
@@ -448,10 +449,11 @@ pub fn summary(result: &serde_json::Value) -> String {
             _ => format!(", {:.0} cached", r["final_cached_objects"].as_f64().unwrap_or_default()),
         };
         text += &format!(
-            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB, last {:.1} MiB{cached}\n",
+            "  {}: {:.1} CPU-s, peak RSS {:.1} MiB ({:.1} MiB anonymous), last {:.1} MiB{cached}\n",
             r["replica"].as_str().unwrap_or_default(),
             r["cpu_seconds"].as_f64().unwrap_or_default(),
             r["peak_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
+            r["peak_anon_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
             r["final_rss_bytes"].as_f64().unwrap_or_default() / 1048576.0,
         );
     }

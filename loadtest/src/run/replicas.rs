@@ -120,12 +120,13 @@ pub(super) async fn sample_loop(pids: Watched, samples: Arc<Mutex<Vec<Sample>>>,
             } else {
                 controlplane::http_get_plain(port, "/metrics").unwrap_or_default()
             };
-            let (rss, _) = sample::memory(pid).unwrap_or_default();
+            let memory = sample::memory(pid).unwrap_or_default();
             samples.lock().unwrap().push(Sample {
                 t: started.elapsed().as_secs_f64(),
                 replica,
                 cpu_seconds: sample::cpu_seconds(pid).unwrap_or_default(),
-                rss_bytes: rss,
+                rss_bytes: memory.rss,
+                anon_rss_bytes: memory.anon_rss,
                 queue_depth: sample::metric(&metrics, "workqueue_depth"),
                 cached_objects: sample::metric(&metrics, "traffic_policy_cached_objects"),
                 series: sample::series_count(&metrics),
