@@ -17,7 +17,10 @@ pub fn read_all(dir: &Path) -> Vec<Entry> {
     let mut entries = Vec::new();
     for file in std::fs::read_dir(dir).unwrap() {
         let text = std::fs::read_to_string(file.unwrap().path()).unwrap();
-        for line in text.lines() {
+        // A running replica may be writing its last line as we read (a line that crosses a
+        // page can be seen half written): only lines ended by a newline are whole.
+        let whole = text.rfind('\n').map_or("", |end| &text[..end]);
+        for line in whole.lines() {
             let v: serde_json::Value =
                 serde_json::from_str(line).unwrap_or_else(|e| panic!("bad audit line {line:?}: {e}"));
             let field = |k: &str| v[k].as_str().unwrap_or_default().to_string();
