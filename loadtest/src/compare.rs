@@ -23,7 +23,7 @@ pub struct Args {
     #[arg(long, default_value_t = 100)]
     namespaces: usize,
     /// Workers per operator replica.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = traffic_policy_operator::cli::DEFAULT_WORKERS)]
     workers: u16,
     /// How many times the floor and the operator runs are made (the peers run once).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]

@@ -81,7 +81,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
     /// Workers per replica (operator mode).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = traffic_policy_operator::cli::DEFAULT_WORKERS)]
     pub workers: u16,
     /// Requests the tool keeps in flight while creating (and, in floor mode, writing).
     #[arg(long, default_value_t = 64)]
