@@ -66,7 +66,7 @@ impl Slo {
     }
 }
 
-pub async fn run(mut args: Args) -> anyhow::Result<serde_json::Value> {
+pub async fn run(mut args: Args, interrupt: &mut tokio::signal::unix::Signal) -> anyhow::Result<serde_json::Value> {
     anyhow::ensure!(args.mode == run::Mode::Operator, "--kubeconfig measures the operator that runs there: no --mode");
     anyhow::ensure!(
         args.kill_after.is_none() && !args.at_rest && args.replicas == 1,
@@ -89,7 +89,7 @@ pub async fn run(mut args: Args) -> anyhow::Result<serde_json::Value> {
     );
     let outcome = tokio::select! {
         result = drive(&client, &args, &id) => result,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+        _ = interrupt.recv() => Err(crate::run::Interrupted.into()),
     };
     let cleaned = clean_up(&client, &id).await;
     let result = outcome?;

@@ -125,6 +125,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut ran: Vec<Ran> = Vec::new();
+    let mut interrupt = run::interrupts()?;
     'rounds: for round in 0..args.rounds {
         // Rotated each round, so that a different run comes first (on a control plane that
         // has just started, and on whatever the machine was doing before).
@@ -139,7 +140,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 1 => eprintln!("== {label}"),
                 rounds => eprintln!("== {label} (round {} of {rounds})", round + 1),
             }
-            let result = run::run(run_args(&args, planned, round)).await;
+            let result = run::run_until_interrupted(run_args(&args, planned, round), &mut interrupt).await;
             let interrupted = result.as_ref().is_err_and(|e| e.downcast_ref::<run::Interrupted>().is_some());
             let result = result.map_err(|e| format!("{e:#}"));
             match &result {

@@ -80,14 +80,17 @@ pub fn label<'a>(labels: &Labels<'a>, key: &str) -> &'a str {
     labels.iter().find(|(k, _)| *k == key).map_or("", |(_, v)| *v)
 }
 
-/// `name{a="b",c="d"} value` → (name, labels, value); `None` for comments. The label values
-/// read here hold no commas or escaped quotes, which keeps this short.
+/// `name{a="b",c="d"} value [timestamp]` → (name, labels, value); `None` for comments. The
+/// label values read here hold no commas, braces or escaped quotes, which keeps this short.
 pub fn parse(line: &str) -> Option<(&str, Labels<'_>, f64)> {
     if line.starts_with('#') {
         return None;
     }
-    let (series, value) = line.rsplit_once(' ')?;
-    let value = value.parse().ok()?;
+    let (series, rest) = match line.rfind('}') {
+        Some(end) => line.split_at(end + 1),
+        None => line.split_once(' ')?,
+    };
+    let value = rest.split_whitespace().next()?.parse().ok()?;
     let (name, labels) = match series.split_once('{') {
         Some((name, rest)) => (name, rest.strip_suffix('}')?),
         None => (series, ""),
@@ -130,5 +133,10 @@ mod tests {
         assert_eq!(value, 42.0);
         assert_eq!((label(&labels, "verb"), label(&labels, "subresource"), label(&labels, "group")), ("APPLY", "", ""));
         assert_eq!(parse("# HELP x y"), None);
+        // The exposition format allows a timestamp after the value.
+        let (name, labels, value) = parse(r#"workqueue_depth{name="a"} 3 1764777600000"#).unwrap();
+        assert_eq!((name, label(&labels, "name"), value), ("workqueue_depth", "a", 3.0));
+        assert_eq!(parse("process_cpu_seconds_total 1.5 1764777600000").map(|(_, _, v)| v), Some(1.5));
+        assert_eq!(parse(r#"go_info{version="go 1.25"} 1"#).map(|(_, l, _)| label(&l, "version")), Some("go 1.25"));
     }
 }

@@ -187,8 +187,23 @@ fn zipf_rank(i: usize, namespaces: usize, s: f64) -> usize {
 pub const OPERATOR_NAMESPACE: &str = "tpo-system";
 
 pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
+    run_until_interrupted(args, &mut interrupts()?).await
+}
+
+/// Ctrl-C, from the moment this is called: `compare` listens once for all its runs, so that a
+/// Ctrl-C between two runs (or while a peer is built) stops it too.
+pub fn interrupts() -> std::io::Result<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+}
+
+/// A run that stops, after cleaning up, on the first Ctrl-C `interrupt` sees; one seen before
+/// the run started stops it as soon as its control plane is up.
+pub async fn run_until_interrupted(
+    args: Args,
+    interrupt: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<serde_json::Value> {
     if args.kubeconfig.is_some() {
-        return crate::cluster::run(args).await;
+        return crate::cluster::run(args, interrupt).await;
     }
     // Built before any clock starts: a first build must not count as the peer's time.
     if args.mode == Mode::ControllerRuntime {
@@ -204,8 +219,6 @@ pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
         feature_gates,
         ..Default::default()
     };
-    // Listening from here on, so that a Ctrl-C while the control plane starts counts too.
-    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let cp = tokio::task::spawn_blocking(move || controlplane::ControlPlane::start(config)).await??;
     eprintln!("control plane: {}", cp.dir().display());
     let outcome = tokio::select! {
@@ -223,7 +236,7 @@ pub struct Interrupted;
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("interrupted; the control plane was cleaned up")
+        f.write_str("interrupted; what the run made was cleaned up")
     }
 }
 
