@@ -17,6 +17,7 @@ use kube::{Client, Resource};
 use serde::de::IgnoredAny;
 
 use crate::api::ApplicationTrafficPolicy;
+use crate::runtime::child_versions::ApplyEffect;
 
 /// How often an event can happen for one generation of a policy.
 #[derive(Clone, Copy, Debug)]
@@ -92,5 +93,81 @@ impl Events {
     }
 }
 
+/// An event to publish, as decided from what a reconcile did.
+#[derive(Debug)]
+pub struct Report {
+    pub occurrence: Occurrence,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+/// What a reconcile that put every child in place reports, given what each apply did
+/// (`effects`, by kind) and whether the policy's status already said it was applied for
+/// `generation`.
+///
+/// Every generation that becomes Ready gets its "Applied" event, even when this reconcile
+/// found the children in place: a replica may have applied them and then stopped, or lost
+/// the policy, before it wrote status and event. Whoever writes that status reports it.
+pub fn after_apply(effects: &[(&str, ApplyEffect)], generation: i64, status_said_applied: bool) -> Option<Report> {
+    let kinds = |wanted: &[ApplyEffect]| -> Vec<&str> {
+        effects.iter().filter(|(_, e)| wanted.contains(e)).map(|(k, _)| *k).collect()
+    };
+    let repaired = kinds(&[ApplyEffect::Repaired]);
+    let applied = kinds(&[ApplyEffect::Applied, ApplyEffect::Updated]);
+    let (occurrence, reason, note) = if !repaired.is_empty() {
+        let note = format!("Restored {} after an outside change", repaired.join(" and "));
+        (Occurrence::Repeating(EventType::Normal), "Repaired", note)
+    } else if !applied.is_empty() {
+        (Occurrence::Once, "Applied", format!("Applied {} for generation {generation}", applied.join(" and ")))
+    } else if !status_said_applied {
+        let all: Vec<&str> = effects.iter().map(|(k, _)| *k).collect();
+        (Occurrence::Once, "Applied", format!("{} already in place for generation {generation}", all.join(" and ")))
+    } else {
+        return None;
+    };
+    Some(Report { occurrence, reason, note })
+}
+
 /// What every event of ours says the operator did.
 const ACTION: &str = "Reconcile";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ApplyEffect::*;
+
+    fn reason_and_note(report: Option<Report>) -> Option<(&'static str, String)> {
+        report.map(|r| (r.reason, r.note))
+    }
+
+    #[test]
+    fn a_repair_is_reported_before_anything_else() {
+        let report = after_apply(&[("NetworkPolicy", Repaired), ("ConfigMap", Applied)], 3, true);
+        assert!(matches!(report, Some(Report { occurrence: Occurrence::Repeating(EventType::Normal), .. })));
+        assert_eq!(
+            reason_and_note(report),
+            Some(("Repaired", "Restored NetworkPolicy after an outside change".to_string()))
+        );
+    }
+
+    #[test]
+    fn what_was_written_is_reported_once() {
+        let report = after_apply(&[("NetworkPolicy", Updated), ("ConfigMap", Unchanged)], 2, true);
+        assert!(matches!(report, Some(Report { occurrence: Occurrence::Once, .. })));
+        assert_eq!(reason_and_note(report), Some(("Applied", "Applied NetworkPolicy for generation 2".to_string())));
+    }
+
+    #[test]
+    fn children_found_in_place_for_an_unreported_generation_are_reported() {
+        let report = after_apply(&[("NetworkPolicy", Unchanged), ("ConfigMap", Unchanged)], 4, false);
+        assert_eq!(
+            reason_and_note(report),
+            Some(("Applied", "NetworkPolicy and ConfigMap already in place for generation 4".to_string()))
+        );
+    }
+
+    #[test]
+    fn nothing_new_is_not_reported() {
+        assert!(after_apply(&[("NetworkPolicy", Unchanged), ("ConfigMap", Unchanged)], 4, true).is_none());
+    }
+}

@@ -215,19 +215,12 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
         let changed_meanwhile = write.finish();
         match applied {
             Ok(effects) => {
-                // One event per reconcile that changed something: events are writes too.
-                let kinds = |wanted: &[ApplyEffect]| -> Vec<&str> {
-                    effects.iter().filter(|(_, e)| wanted.contains(e)).map(|(k, _)| *k).collect()
-                };
-                let repaired = kinds(&[ApplyEffect::Repaired]);
-                let applied = kinds(&[ApplyEffect::Applied, ApplyEffect::Updated]);
+                // An event only when a child changed or a generation is newly reported: events are writes too.
+                let reported = status::says_applied(cached.ready(), policy.meta().generation);
+                let report = events::after_apply(&effects, generation, reported);
                 let event = async {
-                    if !repaired.is_empty() {
-                        let note = format!("Restored {} after an outside change", repaired.join(" and "));
-                        self.event(&policy, gate, Occurrence::Repeating(EventType::Normal), "Repaired", note).await;
-                    } else if !applied.is_empty() {
-                        let note = format!("Applied {} for generation {generation}", applied.join(" and "));
-                        self.event(&policy, gate, Occurrence::Once, "Applied", note).await;
+                    if let Some(events::Report { occurrence, reason, note }) = report {
+                        self.event(&policy, gate, occurrence, reason, note).await;
                     }
                 };
                 // The status and the event side by side: neither waits for the other.

@@ -52,6 +52,12 @@ pub fn ready_state(generation: Option<i64>, ready: Option<(&str, &str, Option<i6
     }
 }
 
+/// Whether a Ready condition `(status, reason, observedGeneration)` already says the
+/// policy's `generation` is applied.
+pub fn says_applied(ready: Option<(&str, &str, Option<i64>)>, generation: Option<i64>) -> bool {
+    READY_STATES[ready_state(generation, ready)] == ("True", "Applied")
+}
+
 /// The status to hold after `outcome` for `generation`, given the current one.
 pub fn next_status(
     current: Option<&ApplicationTrafficPolicyStatus>,
@@ -140,6 +146,14 @@ mod tests {
             next_status(Some(&bad), Some(2), &Outcome::ApplyFailed("forbidden".into()), &at("2026-01-01T00:09:00Z"));
         assert_eq!(failed.conditions[0].last_transition_time, at(T2));
         assert_eq!(failed.conditions[0].reason, "ApplyFailed");
+    }
+
+    #[test]
+    fn applied_only_for_the_generation_it_observed() {
+        assert!(says_applied(Some(("True", "Applied", Some(2))), Some(2)));
+        assert!(!says_applied(Some(("True", "Applied", Some(1))), Some(2)), "an older generation");
+        assert!(!says_applied(Some(("False", "ApplyFailed", Some(2))), Some(2)));
+        assert!(!says_applied(None, Some(2)), "no status yet");
     }
 
     #[test]

@@ -2,9 +2,10 @@
 
 use controlplane::Grant;
 use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
-use kube::api::{ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
 use crate::lifecycle::policy;
@@ -56,6 +57,58 @@ async fn a_restarted_and_resyncing_operator_writes_nothing() {
         audited_writes(env.cp, &identity.user).into_iter().filter(|w| w.contains("/app-")).collect();
     assert_eq!(writes, Vec::<String>::new(), "the restarted operator wrote policies or children");
     assert_eq!(stored(&env).await, before, "a policy or child changed");
+}
+
+/// The notes of the Applied events about policy `name`.
+async fn applied_events(env: &TestEnv, name: &str) -> Vec<(String, String)> {
+    let events = env.api::<Event>().list(&ListParams::default()).await.unwrap();
+    events
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Applied"))
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| (e.name_any(), e.note.unwrap_or_default()))
+        .collect()
+}
+
+/// A replica that applied a policy's children and stopped (or lost the policy) before it
+/// wrote status and event: whoever writes that status later posts the Applied event too,
+/// though it finds the children in place and writes none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_applied_but_never_reported_gets_its_event() {
+    let env = TestEnv::new("e2e-unreported").await;
+    let mut first = env.start_operator(&[]).await;
+    let policies = env.api::<ApplicationTrafficPolicy>();
+    policies.create(&PostParams::default(), &policy("unreported", 8080)).await.unwrap();
+    env.wait_ready("unreported", ConditionStatus::True).await;
+    let first_events = eventually("the first Applied event", || async {
+        Some(applied_events(&env, "unreported").await).filter(|events| !events.is_empty())
+    })
+    .await;
+    let status = first.stop().expect("the operator exits");
+    assert!(status.success(), "SIGTERM must end in exit 0, got {status}");
+
+    // What the first replica would have left had it stopped right after the children.
+    let no_status = serde_json::json!({ "status": null });
+    policies.patch_status("unreported", &PatchParams::default(), &Patch::Merge(&no_status)).await.unwrap();
+    for (name, _) in first_events {
+        env.api::<Event>().delete(&name, &DeleteParams::default()).await.unwrap();
+    }
+
+    let identity = env.operator_identity("operator-again", None).await;
+    let _second = Operator::start(&env, &identity, &[]).await;
+    env.wait_ready("unreported", ConditionStatus::True).await;
+    let events = eventually("the new operator posts the Applied event", || async {
+        Some(applied_events(&env, "unreported").await).filter(|events| !events.is_empty())
+    })
+    .await;
+    let notes: Vec<&str> = events.iter().map(|(_, note)| note.as_str()).collect();
+    assert_eq!(notes, ["NetworkPolicy and ConfigMap already in place for generation 1"]);
+    let writes: Vec<String> =
+        audited_writes(env.cp, &identity.user).into_iter().filter(|w| w.contains("/unreported")).collect();
+    let writes: Vec<&String> = writes.iter().filter(|w| !w.starts_with("events/")).collect();
+    let status_write = format!("applicationtrafficpolicies/{}/unreported/status", env.namespace);
+    assert_eq!(writes, [&status_write], "the new operator wrote children it found in place");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
