@@ -144,8 +144,17 @@ struct Inner {
     /// next slot when first seen, so entries need not name their kinds.
     kinds: Vec<&'static str>,
     known: HashMap<ObjectKey, Children>,
-    /// Owners being written, with the child events that arrived meanwhile.
-    writing: HashMap<ObjectKey, Vec<Observed>>,
+    /// Owners being written.
+    writing: HashMap<ObjectKey, Writing>,
+}
+
+/// An owner being written: the child events that arrived meanwhile, and the kinds (by slot)
+/// forgotten meanwhile, because the owner left the cache or its children's watch. The
+/// write must not bring those back: nothing would ever forget them again.
+#[derive(Debug, Default)]
+struct Writing {
+    held: Vec<Observed>,
+    forgotten: [bool; CHILD_KINDS],
 }
 
 impl Inner {
@@ -185,8 +194,8 @@ impl ChildVersions {
         let resource_version = resource_version.map(version);
         let content = content.map(hash);
         let mut inner = self.lock();
-        if let Some(held) = inner.writing.get_mut(key) {
-            held.push((kind, resource_version, content));
+        if let Some(writing) = inner.writing.get_mut(key) {
+            writing.held.push((kind, resource_version, content));
             return false;
         }
         if resource_version.is_none() && !inner.known.contains_key(key) {
@@ -218,16 +227,21 @@ impl ChildVersions {
         if let Some(children) = inner.known.remove(owner) {
             inner.known.insert(owner.clone(), children);
         }
-        inner.writing.insert(owner.clone(), Vec::new());
+        inner.writing.insert(owner.clone(), Writing::default());
         drop(inner);
         WriteGuard { versions: self, owner: Some(owner.clone()) }
     }
 
     fn end_write(&self, owner: &ObjectKey) -> bool {
         let mut inner = self.lock();
-        let held = inner.writing.remove(owner).unwrap_or_default();
+        let Writing { held, forgotten } = inner.writing.remove(owner).unwrap_or_default();
         let mut foreign = false;
         for (kind, resource_version, content) in held {
+            if forgotten[inner.slot(kind)] {
+                // Not recorded; looked at again, in case the owner came back meanwhile.
+                foreign = true;
+                continue;
+            }
             let entry = inner.entry(owner, kind);
             if entry.resource_version != resource_version {
                 entry.content = content.filter(|_| resource_version.is_some());
@@ -254,6 +268,11 @@ impl ChildVersions {
             content: Some(hash(content)),
         };
         let mut inner = self.lock();
+        let slot = inner.slot(kind);
+        if inner.writing.get(key).is_some_and(|writing| writing.forgotten[slot]) {
+            // Forgotten while being written: nothing is known of it before or after.
+            return ApplyEffect::Applied;
+        }
         let entry = inner.entry(key, kind);
         let previous = Some(std::mem::replace(entry, now)).filter(|p| *p != Known::UNKNOWN);
         match previous {
@@ -265,9 +284,13 @@ impl ChildVersions {
         }
     }
 
-    /// Drops what we know of the children of `owner`.
+    /// Drops what we know of the children of `owner`, and what a write under way would record.
     pub fn forget_owner(&self, owner: &ObjectKey) {
-        self.lock().known.remove(owner);
+        let mut inner = self.lock();
+        inner.known.remove(owner);
+        if let Some(writing) = inner.writing.get_mut(owner) {
+            writing.forgotten = [true; CHILD_KINDS];
+        }
     }
 
     /// Drops what we know of children of `kind` whose owner `covers` says (their buckets
@@ -281,6 +304,9 @@ impl ChildVersions {
             }
             !children.is_empty()
         });
+        for (_, writing) in inner.writing.iter_mut().filter(|(owner, _)| covers(owner)) {
+            writing.forgotten[slot] = true;
+        }
     }
 
     /// What is known now of the `kind` children of the owners `covers` says: taken when a
@@ -428,6 +454,28 @@ mod tests {
 
         drop(v.begin_write(&k));
         assert!(v.observe("ConfigMap", &k, Some("7"), None), "a dropped write holds nothing back");
+    }
+
+    #[test]
+    fn a_write_that_ends_after_its_owner_was_forgotten_brings_nothing_back() {
+        let v = ChildVersions::default();
+        let k = ObjectKey::new("ns", "a");
+        // The policy is deleted, or leaves the slice, while its children are being written.
+        let write = v.begin_write(&k);
+        v.forget_owner(&k);
+        assert!(!v.observe("ConfigMap", &k, Some("5"), Some(1)), "held while writing");
+        assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Applied);
+        assert!(write.finish(), "what the list of an owner that came back would bring: look again");
+        assert!(v.is_empty(), "nothing would ever forget it again");
+
+        // One kind's watch lets go of the owner's bucket while the owner is being written.
+        let write = v.begin_write(&k);
+        v.forget_kind_where("ConfigMap", |_| true);
+        v.written("ConfigMap", &k, "6", Some(1), 1);
+        v.written("NetworkPolicy", &k, "7", Some(1), 2);
+        assert!(!write.finish());
+        assert!(!v.holds("ConfigMap", &k, 1), "forgotten");
+        assert!(v.holds("NetworkPolicy", &k, 2), "that kind's watch still covers the owner");
     }
 
     #[test]
