@@ -101,31 +101,42 @@ pub struct Report {
     pub note: String,
 }
 
-/// What a reconcile that put every child in place reports, given what each apply did
-/// (`effects`, by kind) and whether the policy's status already said it was applied for
-/// `generation`.
+/// What a reconcile that put every child in place reports.
+#[derive(Debug, Default)]
+pub struct Reports {
+    /// Children someone else had changed or deleted, restored.
+    pub repaired: Option<Report>,
+    /// The generation is in place: once per generation, and whenever a child was written for it.
+    pub applied: Option<Report>,
+}
+
+/// What to report, given what each apply did (`effects`, by kind) and whether `generation`
+/// was reported already (by the policy's status, or by this replica's last event).
 ///
 /// Every generation that becomes Ready gets its "Applied" event, even when this reconcile
 /// found the children in place: a replica may have applied them and then stopped, or lost
 /// the policy, before it wrote status and event. Whoever writes that status reports it.
-pub fn after_apply(effects: &[(&str, ApplyEffect)], generation: i64, status_said_applied: bool) -> Option<Report> {
+pub fn after_apply(effects: &[(&str, ApplyEffect)], generation: i64, already_reported: bool) -> Reports {
     let kinds = |wanted: &[ApplyEffect]| -> Vec<&str> {
         effects.iter().filter(|(_, e)| wanted.contains(e)).map(|(k, _)| *k).collect()
     };
     let repaired = kinds(&[ApplyEffect::Repaired]);
-    let applied = kinds(&[ApplyEffect::Applied, ApplyEffect::Updated]);
-    let (occurrence, reason, note) = if !repaired.is_empty() {
-        let note = format!("Restored {} after an outside change", repaired.join(" and "));
-        (Occurrence::Repeating(EventType::Normal), "Repaired", note)
-    } else if !applied.is_empty() {
-        (Occurrence::Once, "Applied", format!("Applied {} for generation {generation}", applied.join(" and ")))
-    } else if !status_said_applied {
+    let written = kinds(&[ApplyEffect::Applied, ApplyEffect::Updated]);
+    let repaired = (!repaired.is_empty()).then(|| Report {
+        occurrence: Occurrence::Repeating(EventType::Normal),
+        reason: "Repaired",
+        note: format!("Restored {} after an outside change", repaired.join(" and ")),
+    });
+    let note = if !written.is_empty() {
+        Some(format!("Applied {} for generation {generation}", written.join(" and ")))
+    } else if !already_reported {
         let all: Vec<&str> = effects.iter().map(|(k, _)| *k).collect();
-        (Occurrence::Once, "Applied", format!("{} already in place for generation {generation}", all.join(" and ")))
+        Some(format!("{} in place for generation {generation}", all.join(" and ")))
     } else {
-        return None;
+        None
     };
-    Some(Report { occurrence, reason, note })
+    let applied = note.map(|note| Report { occurrence: Occurrence::Once, reason: "Applied", note });
+    Reports { repaired, applied }
 }
 
 /// What every event of ours says the operator did.
@@ -136,38 +147,45 @@ mod tests {
     use super::*;
     use ApplyEffect::*;
 
-    fn reason_and_note(report: Option<Report>) -> Option<(&'static str, String)> {
-        report.map(|r| (r.reason, r.note))
+    fn notes(reports: Reports) -> [Option<String>; 2] {
+        [reports.repaired.map(|r| r.note), reports.applied.map(|r| r.note)]
     }
 
     #[test]
-    fn a_repair_is_reported_before_anything_else() {
-        let report = after_apply(&[("NetworkPolicy", Repaired), ("ConfigMap", Applied)], 3, true);
-        assert!(matches!(report, Some(Report { occurrence: Occurrence::Repeating(EventType::Normal), .. })));
-        assert_eq!(
-            reason_and_note(report),
-            Some(("Repaired", "Restored NetworkPolicy after an outside change".to_string()))
-        );
+    fn a_repair_is_reported_as_it_repeats() {
+        let reports = after_apply(&[("NetworkPolicy", Repaired), ("ConfigMap", Unchanged)], 3, true);
+        assert!(matches!(reports.repaired, Some(Report { occurrence: Occurrence::Repeating(EventType::Normal), .. })));
+        assert_eq!(notes(reports), [Some("Restored NetworkPolicy after an outside change".into()), None]);
     }
 
     #[test]
     fn what_was_written_is_reported_once() {
-        let report = after_apply(&[("NetworkPolicy", Updated), ("ConfigMap", Unchanged)], 2, true);
-        assert!(matches!(report, Some(Report { occurrence: Occurrence::Once, .. })));
-        assert_eq!(reason_and_note(report), Some(("Applied", "Applied NetworkPolicy for generation 2".to_string())));
+        let reports = after_apply(&[("NetworkPolicy", Updated), ("ConfigMap", Unchanged)], 2, true);
+        assert!(matches!(reports.applied, Some(Report { occurrence: Occurrence::Once, reason: "Applied", .. })));
+        assert_eq!(notes(reports), [None, Some("Applied NetworkPolicy for generation 2".into())]);
     }
 
     #[test]
     fn children_found_in_place_for_an_unreported_generation_are_reported() {
-        let report = after_apply(&[("NetworkPolicy", Unchanged), ("ConfigMap", Unchanged)], 4, false);
+        let reports = after_apply(&[("NetworkPolicy", Unchanged), ("ConfigMap", Unchanged)], 4, false);
+        assert_eq!(notes(reports), [None, Some("NetworkPolicy and ConfigMap in place for generation 4".into())]);
+    }
+
+    #[test]
+    fn a_repair_of_an_unreported_generation_reports_both() {
+        let reports = after_apply(&[("NetworkPolicy", Repaired), ("ConfigMap", Unchanged)], 5, false);
         assert_eq!(
-            reason_and_note(report),
-            Some(("Applied", "NetworkPolicy and ConfigMap already in place for generation 4".to_string()))
+            notes(reports),
+            [
+                Some("Restored NetworkPolicy after an outside change".into()),
+                Some("NetworkPolicy and ConfigMap in place for generation 5".into())
+            ]
         );
     }
 
     #[test]
     fn nothing_new_is_not_reported() {
-        assert!(after_apply(&[("NetworkPolicy", Unchanged), ("ConfigMap", Unchanged)], 4, true).is_none());
+        let reports = after_apply(&[("NetworkPolicy", Unchanged), ("ConfigMap", Unchanged)], 4, true);
+        assert_eq!(notes(reports), [None, None]);
     }
 }

@@ -173,7 +173,7 @@ impl TrafficPolicyReconciler {
         }
     }
 
-    /// Publishes an event; failures are logged, never fatal.
+    /// Publishes an event; failures are logged, never fatal. True when it was published.
     async fn event(
         &self,
         policy: &ApplicationTrafficPolicy,
@@ -181,12 +181,16 @@ impl TrafficPolicyReconciler {
         occurrence: Occurrence,
         reason: &str,
         note: String,
-    ) {
+    ) -> bool {
         if gate.check("event").is_err() {
-            return;
+            return false;
         }
-        if let Err(error) = self.events.publish(policy, occurrence, reason, note).await {
-            tracing::debug!(%error, reason, "could not publish event");
+        match self.events.publish(policy, occurrence, reason, note).await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::debug!(%error, reason, "could not publish event");
+                false
+            }
         }
     }
 }
@@ -215,12 +219,19 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
         let changed_meanwhile = write.finish();
         match applied {
             Ok(effects) => {
-                // An event only when a child changed or a generation is newly reported: events are writes too.
-                let reported = status::says_applied(cached.ready(), policy.meta().generation);
-                let report = events::after_apply(&effects, generation, reported);
+                // Reported once per generation: the cache may not show yet the status this
+                // replica wrote with its event, so its own last event counts too.
+                let already_reported = status::says_applied(cached.ready(), policy.meta().generation)
+                    || self.child_versions.reported(key, policy.meta().generation);
+                let reports = events::after_apply(&effects, generation, already_reported);
                 let event = async {
-                    if let Some(events::Report { occurrence, reason, note }) = report {
+                    if let Some(events::Report { occurrence, reason, note }) = reports.repaired {
                         self.event(&policy, gate, occurrence, reason, note).await;
+                    }
+                    if let Some(events::Report { occurrence, reason, note }) = reports.applied
+                        && self.event(&policy, gate, occurrence, reason, note).await
+                    {
+                        self.child_versions.mark_reported(key, policy.meta().generation);
                     }
                 };
                 // The status and the event side by side: neither waits for the other.

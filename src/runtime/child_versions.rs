@@ -10,12 +10,16 @@
 //! can skip an apply that would change nothing: no write per child at resync, restart or
 //! handoff.
 //!
+//! And it remembers the last generation of each owner whose outcome was reported (for the
+//! traffic-policy reconcile, its "Applied" event), since the cache may not show yet the
+//! status written with it: a second reconcile close behind the first must not report again.
+//!
 //! The echo of a write may arrive before the write's response. So while an owner is being
 //! written ([`ChildVersions::begin_write`] … [`ChildVersions::end_write`]), events for its
 //! children are held, and compared with what we wrote once the writes are done.
 
 use std::collections::{HashMap, HashSet};
-use std::num::NonZeroU64;
+use std::num::{NonZeroI64, NonZeroU64};
 use std::sync::Mutex;
 
 use kube::api::ObjectMeta;
@@ -46,14 +50,14 @@ pub fn stamped_content(meta: &ObjectMeta, field_manager: &str) -> Option<u64> {
     if changed_since { None } else { u64::from_str_radix(stamp, 16).ok() }
 }
 
-/// What we know of one child (32 bytes: the hashes are never 0, so their options cost
-/// nothing).
+/// What we know of one child (24 bytes: the hashes and the generation are never 0, so
+/// their options cost nothing).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Known {
     /// The [`version`] of its resourceVersion; `None` once the child was seen deleted.
     resource_version: Option<Hash>,
     /// The owner's generation at our last write.
-    written_for_generation: Option<i64>,
+    written_for_generation: Option<Generation>,
     /// The content hash of what the child holds, when known: from our write, or from an
     /// event whose change was our field manager's (see [`stamped_content`]).
     content: Option<Hash>,
@@ -61,6 +65,14 @@ struct Known {
 
 impl Known {
     const UNKNOWN: Known = Known { resource_version: None, written_for_generation: None, content: None };
+}
+
+/// An owner's metadata.generation: the API server starts it at 1, so 0 (no generation) can
+/// be `None` at no cost in memory.
+type Generation = NonZeroI64;
+
+fn generation(value: Option<i64>) -> Option<Generation> {
+    value.and_then(NonZeroI64::new)
 }
 
 /// A hash kept for comparison only; 0 is taken as 1, a collision of no consequence.
@@ -81,14 +93,19 @@ fn version(resource_version: &str) -> Hash {
 /// this at start, so a third kind fails there rather than on its first event.)
 pub const CHILD_KINDS: usize = 2;
 
-/// What we know of one owner's children, a slot per kind (see [`Inner::kinds`]): one map
-/// entry per owner, so an owner's entry is dropped in one step.
+/// What we know of one owner's children, a slot per kind (see [`Inner::kinds`]), and the
+/// owner's last reported generation: one map entry per owner, so an owner's entry is dropped
+/// in one step.
 #[derive(Debug, Default)]
-struct Children([Known; CHILD_KINDS]);
+struct Children {
+    slots: [Known; CHILD_KINDS],
+    reported: Option<Generation>,
+}
 
 impl Children {
+    /// Nothing known of any child: the entry goes, its reported generation with it.
     fn is_empty(&self) -> bool {
-        self.0.iter().all(|known| *known == Known::UNKNOWN)
+        self.slots.iter().all(|known| *known == Known::UNKNOWN)
     }
 }
 
@@ -169,12 +186,12 @@ impl Inner {
     /// What is known of `owner`'s child of `kind`, created unknown if need be.
     fn entry(&mut self, owner: &ObjectKey, kind: &'static str) -> &mut Known {
         let slot = self.slot(kind);
-        &mut self.known.entry(owner.clone()).or_default().0[slot]
+        &mut self.known.entry(owner.clone()).or_default().slots[slot]
     }
 
     fn get(&self, owner: &ObjectKey, kind: &str) -> Option<&Known> {
         let slot = self.kinds.iter().position(|k| *k == kind)?;
-        self.known.get(owner).map(|children| &children.0[slot])
+        self.known.get(owner).map(|children| &children.slots[slot])
     }
 }
 
@@ -262,6 +279,7 @@ impl ChildVersions {
         content: u64,
     ) -> ApplyEffect {
         let resource_version = version(resource_version);
+        let generation = self::generation(generation);
         let now = Known {
             resource_version: Some(resource_version),
             written_for_generation: generation,
@@ -284,6 +302,20 @@ impl ChildVersions {
         }
     }
 
+    /// Whether `owner`'s `generation` was reported already (see [`Self::mark_reported`]).
+    pub fn reported(&self, owner: &ObjectKey, generation: Option<i64>) -> bool {
+        let generation = self::generation(generation);
+        generation.is_some() && self.lock().known.get(owner).is_some_and(|children| children.reported == generation)
+    }
+
+    /// Records that `owner`'s `generation` was reported. Only while its children are known:
+    /// an owner forgotten meanwhile stays forgotten.
+    pub fn mark_reported(&self, owner: &ObjectKey, generation: Option<i64>) {
+        if let Some(children) = self.lock().known.get_mut(owner) {
+            children.reported = self::generation(generation);
+        }
+    }
+
     /// Drops what we know of the children of `owner`, and what a write under way would record.
     pub fn forget_owner(&self, owner: &ObjectKey) {
         let mut inner = self.lock();
@@ -295,12 +327,13 @@ impl ChildVersions {
 
     /// Drops what we know of children of `kind` whose owner `covers` says (their buckets
     /// left the slice), and the entries left with nothing.
-    pub fn forget_kind_where(&self, kind: &str, covers: impl Fn(&ObjectKey) -> bool) {
+    pub fn forget_kind_where(&self, kind: &'static str, covers: impl Fn(&ObjectKey) -> bool) {
         let mut inner = self.lock();
-        let Some(slot) = inner.kinds.iter().position(|k| *k == kind) else { return };
+        // Taken even for a kind not seen yet: a first write of it may be under way.
+        let slot = inner.slot(kind);
         inner.known.retain(|owner, children| {
             if covers(owner) {
-                children.0[slot] = Known::UNKNOWN;
+                children.slots[slot] = Known::UNKNOWN;
             }
             !children.is_empty()
         });
@@ -315,7 +348,7 @@ impl ChildVersions {
         let inner = self.lock();
         let Some(slot) = inner.kinds.iter().position(|k| *k == kind) else { return KnownBefore::default() };
         let known = inner.known.iter().filter(|(owner, _)| covers(owner));
-        KnownBefore(known.filter_map(|(owner, c)| Some((owner.clone(), c.0[slot].resource_version?))).collect())
+        KnownBefore(known.filter_map(|(owner, c)| Some((owner.clone(), c.slots[slot].resource_version?))).collect())
     }
 
     /// A list sends no deletions. The owners whose `kind` child was known when the list
@@ -336,7 +369,7 @@ impl ChildVersions {
             if found.contains(&owner) || writing.contains_key(&owner) {
                 continue;
             }
-            if let Some(child) = known.get_mut(&owner).map(|children| &mut children.0[slot])
+            if let Some(child) = known.get_mut(&owner).map(|children| &mut children.slots[slot])
                 && child.resource_version == Some(version)
             {
                 child.resource_version = None;
@@ -357,163 +390,4 @@ impl ChildVersions {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn classifies_writes_and_filters_echoes() {
-        let v = ChildVersions::default();
-        let k = ObjectKey::new("ns", "a");
-        assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1), 1), ApplyEffect::Applied);
-        assert!(!v.observe("NetworkPolicy", &k, Some("10"), None), "echo of our own write");
-        assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1), 1), ApplyEffect::Unchanged);
-        assert!(v.observe("NetworkPolicy", &k, Some("11"), None), "someone else edited it");
-        assert_eq!(v.written("NetworkPolicy", &k, "12", Some(1), 1), ApplyEffect::Repaired);
-        assert!(v.observe("NetworkPolicy", &k, None, None), "deleted");
-        assert_eq!(v.written("NetworkPolicy", &k, "13", Some(1), 1), ApplyEffect::Repaired);
-        assert_eq!(v.written("NetworkPolicy", &k, "14", Some(2), 2), ApplyEffect::Updated);
-        v.forget_owner(&k);
-        assert!(v.is_empty());
-    }
-
-    #[test]
-    fn an_apply_is_skipped_only_while_the_child_holds_what_we_would_write() {
-        let v = ChildVersions::default();
-        let k = ObjectKey::new("ns", "a");
-        assert!(!v.holds("ConfigMap", &k, 7), "nothing known yet");
-        v.written("ConfigMap", &k, "10", Some(1), 7);
-        assert!(v.holds("ConfigMap", &k, 7));
-        assert!(!v.holds("ConfigMap", &k, 8), "the spec changed: different content");
-        assert!(v.observe("ConfigMap", &k, Some("11"), None), "edited by someone else");
-        assert!(!v.holds("ConfigMap", &k, 7), "edited: repair it");
-        assert!(v.observe("ConfigMap", &k, Some("12"), Some(7)), "applied by another replica of ours");
-        assert!(v.holds("ConfigMap", &k, 7));
-        assert!(v.observe("ConfigMap", &k, None, Some(7)), "deleted");
-        assert!(!v.holds("ConfigMap", &k, 7), "deleted: create it again");
-    }
-
-    fn meta(stamp: Option<&str>, entries: &[(&str, &str)]) -> ObjectMeta {
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
-        let entry = |(manager, time): &(&str, &str)| ManagedFieldsEntry {
-            manager: Some(manager.to_string()),
-            time: Some(Time(time.parse().unwrap())),
-            ..Default::default()
-        };
-        ObjectMeta {
-            annotations: stamp.map(|s| [(CONTENT_ANNOTATION.to_string(), s.to_string())].into()),
-            managed_fields: Some(entries.iter().map(entry).collect()),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn a_stamp_counts_only_when_no_other_manager_changed_the_child_since() {
-        let (us, t1, t2) = ("operator", "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z");
-        assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1)]), us), Some(255));
-        assert_eq!(stamped_content(&meta(Some("ff"), &[("kubectl-label", t1), (us, t2)]), us), Some(255));
-        assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1), ("kubectl-edit", t2)]), us), None, "edited after");
-        assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1), ("kubectl-edit", t1)]), us), None, "same second");
-        assert_eq!(stamped_content(&meta(None, &[(us, t1)]), us), None, "no stamp");
-        assert_eq!(stamped_content(&meta(Some("ff"), &[("kubectl-create", t1)]), us), None, "never applied by us");
-    }
-
-    #[test]
-    fn content_hashes_follow_the_content() {
-        let cm = |value: &str| k8s_openapi::api::core::v1::ConfigMap {
-            data: Some([("k".to_string(), value.to_string())].into()),
-            ..Default::default()
-        };
-        assert_eq!(content_hash(&cm("a")), content_hash(&cm("a")));
-        assert_ne!(content_hash(&cm("a")), content_hash(&cm("b")));
-    }
-
-    #[test]
-    fn the_deletion_of_a_forgotten_owners_child_leaves_nothing_behind() {
-        let v = ChildVersions::default();
-        let k = ObjectKey::new("ns", "a");
-        v.written("ConfigMap", &k, "10", Some(1), 7);
-        v.forget_owner(&k);
-        assert!(v.observe("ConfigMap", &k, None, None), "news: the owner looks again, and finds itself gone");
-        assert!(v.is_empty(), "collected children of a deleted owner must not stay known");
-    }
-
-    #[test]
-    fn echoes_arriving_before_the_write_returns_are_recognised() {
-        let v = ChildVersions::default();
-        let k = ObjectKey::new("ns", "a");
-        let write = v.begin_write(&k);
-        assert!(!v.observe("ConfigMap", &k, Some("5"), None), "held while writing");
-        assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Applied);
-        assert!(!write.finish(), "it was our own echo");
-        assert!(!v.observe("ConfigMap", &k, Some("5"), None));
-
-        let write = v.begin_write(&k);
-        assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Unchanged);
-        assert!(!v.observe("ConfigMap", &k, Some("6"), None), "held");
-        assert!(write.finish(), "someone else wrote after us: look again");
-
-        drop(v.begin_write(&k));
-        assert!(v.observe("ConfigMap", &k, Some("7"), None), "a dropped write holds nothing back");
-    }
-
-    #[test]
-    fn a_write_that_ends_after_its_owner_was_forgotten_brings_nothing_back() {
-        let v = ChildVersions::default();
-        let k = ObjectKey::new("ns", "a");
-        // The policy is deleted, or leaves the slice, while its children are being written.
-        let write = v.begin_write(&k);
-        v.forget_owner(&k);
-        assert!(!v.observe("ConfigMap", &k, Some("5"), Some(1)), "held while writing");
-        assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Applied);
-        assert!(write.finish(), "what the list of an owner that came back would bring: look again");
-        assert!(v.is_empty(), "nothing would ever forget it again");
-
-        // One kind's watch lets go of the owner's bucket while the owner is being written.
-        let write = v.begin_write(&k);
-        v.forget_kind_where("ConfigMap", |_| true);
-        v.written("ConfigMap", &k, "6", Some(1), 1);
-        v.written("NetworkPolicy", &k, "7", Some(1), 2);
-        assert!(!write.finish());
-        assert!(!v.holds("ConfigMap", &k, 1), "forgotten");
-        assert!(v.holds("NetworkPolicy", &k, 2), "that kind's watch still covers the owner");
-    }
-
-    #[test]
-    fn a_dropped_scope_forgets_its_kind_and_empty_entries() {
-        let versions = ChildVersions::default();
-        let (kept, dropped) = (ObjectKey::new("kept", "p"), ObjectKey::new("dropped", "p"));
-        for owner in [&kept, &dropped] {
-            versions.observe("NetworkPolicy", owner, Some("1"), Some(7));
-            versions.observe("ConfigMap", owner, Some("1"), Some(8));
-        }
-        let in_dropped = |owner: &ObjectKey| owner.namespace() == "dropped";
-        versions.forget_kind_where("NetworkPolicy", in_dropped);
-        assert!(versions.holds("NetworkPolicy", &kept, 7));
-        assert!(!versions.holds("NetworkPolicy", &dropped, 7));
-        assert!(versions.holds("ConfigMap", &dropped, 8), "the other kind's watch has not dropped it yet");
-        versions.forget_kind_where("ConfigMap", in_dropped);
-        assert_eq!(versions.lock().known.len(), 1, "nothing is left of the dropped owner");
-    }
-
-    #[test]
-    fn an_owner_entry_keeps_its_children_in_64_bytes() {
-        assert_eq!(std::mem::size_of::<Children>(), 64, "two slots of 32 bytes, kinds named once");
-    }
-
-    #[test]
-    fn a_child_a_list_does_not_find_is_known_deleted_unless_it_changed_since() {
-        let versions = ChildVersions::default();
-        let (gone, kept, rewritten) =
-            (ObjectKey::new("n", "gone"), ObjectKey::new("n", "kept"), ObjectKey::new("n", "new"));
-        for owner in [&gone, &kept, &rewritten] {
-            versions.observe("ConfigMap", owner, Some("1"), Some(7));
-        }
-        let before = versions.known_where("ConfigMap", |_| true);
-        // Written by us while the list ran, after its snapshot.
-        versions.written("ConfigMap", &rewritten, "2", Some(1), 7);
-        let found = HashSet::from([kept.clone()]);
-        assert_eq!(versions.missing_from_list("ConfigMap", before, &found), std::slice::from_ref(&gone));
-        assert!(!versions.holds("ConfigMap", &gone, 7), "applied again at the next reconcile");
-        assert!(versions.holds("ConfigMap", &kept, 7) && versions.holds("ConfigMap", &rewritten, 7));
-    }
-}
+mod tests;
