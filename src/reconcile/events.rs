@@ -102,7 +102,7 @@ pub struct Report {
 }
 
 /// What a reconcile that put every child in place reports.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Reports {
     /// Children someone else had changed or deleted, restored.
     pub repaired: Option<Report>,

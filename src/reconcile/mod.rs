@@ -221,21 +221,24 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
             Ok(effects) => {
                 // Reported once per generation: the cache may not show yet the status this
                 // replica wrote with its event, so its own last event counts too.
-                let already_reported = status::says_applied(cached.ready(), policy.meta().generation)
-                    || self.child_versions.reported(key, policy.meta().generation);
+                let already_reported = status::says_applied(cached.ready(), Some(generation))
+                    || self.child_versions.reported(key, Some(generation));
                 let reports = events::after_apply(&effects, generation, already_reported);
-                let event = async {
+                let repaired = async {
                     if let Some(events::Report { occurrence, reason, note }) = reports.repaired {
                         self.event(&policy, gate, occurrence, reason, note).await;
                     }
+                };
+                let applied = async {
                     if let Some(events::Report { occurrence, reason, note }) = reports.applied
                         && self.event(&policy, gate, occurrence, reason, note).await
                     {
-                        self.child_versions.mark_reported(key, policy.meta().generation);
+                        self.child_versions.mark_reported(key, Some(generation));
                     }
                 };
-                // The status and the event side by side: neither waits for the other.
-                let (status, ()) = futures::join!(self.write_status(&policy, &Outcome::Applied, gate), event);
+                // The status and the events side by side: none waits for another.
+                let (status, (), ()) =
+                    futures::join!(self.write_status(&policy, &Outcome::Applied, gate), repaired, applied);
                 status?;
                 // Someone changed a child while we wrote it: look again at once.
                 Ok(if changed_meanwhile { Action::RequeueAfter(std::time::Duration::ZERO) } else { Action::Done })

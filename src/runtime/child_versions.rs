@@ -71,7 +71,7 @@ impl Known {
 /// be `None` at no cost in memory.
 type Generation = NonZeroI64;
 
-fn generation(value: Option<i64>) -> Option<Generation> {
+fn nonzero_generation(value: Option<i64>) -> Option<Generation> {
     value.and_then(NonZeroI64::new)
 }
 
@@ -279,7 +279,7 @@ impl ChildVersions {
         content: u64,
     ) -> ApplyEffect {
         let resource_version = version(resource_version);
-        let generation = self::generation(generation);
+        let generation = nonzero_generation(generation);
         let now = Known {
             resource_version: Some(resource_version),
             written_for_generation: generation,
@@ -304,15 +304,15 @@ impl ChildVersions {
 
     /// Whether `owner`'s `generation` was reported already (see [`Self::mark_reported`]).
     pub fn reported(&self, owner: &ObjectKey, generation: Option<i64>) -> bool {
-        let generation = self::generation(generation);
+        let generation = nonzero_generation(generation);
         generation.is_some() && self.lock().known.get(owner).is_some_and(|children| children.reported == generation)
     }
 
-    /// Records that `owner`'s `generation` was reported. Only while its children are known:
-    /// an owner forgotten meanwhile stays forgotten.
+    /// Records that `owner`'s `generation` was reported (`None`, no generation: forgets the last
+    /// one). Only while its children are known: an owner forgotten meanwhile stays forgotten.
     pub fn mark_reported(&self, owner: &ObjectKey, generation: Option<i64>) {
         if let Some(children) = self.lock().known.get_mut(owner) {
-            children.reported = self::generation(generation);
+            children.reported = nonzero_generation(generation);
         }
     }
 

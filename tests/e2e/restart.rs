@@ -115,6 +115,39 @@ async fn a_generation_applied_but_never_reported_gets_its_event() {
     assert_eq!(writes, [status_write], "the new operator wrote children it found in place");
 }
 
+/// A status write that keeps failing is retried; the generation's Applied event, published
+/// with the first attempt, is not posted again with each retry, though the cache never shows a
+/// status that says the generation is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_status_write_posts_its_event_once() {
+    let env = TestEnv::new("e2e-status-refused").await;
+    let limited = env
+        .limited_cluster_role("e2e-operator-without-status-writes", |rule| {
+            if rule.resources.as_ref().unwrap().contains(&"applicationtrafficpolicies/status".to_string()) {
+                rule.verbs = vec!["get".into()];
+            }
+        })
+        .await;
+    let identity = env.operator_identity("no-status", Some(vec![Grant::ClusterRole(limited)])).await;
+    let operator = Operator::start(&env, &identity, &[]).await;
+    env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &policy("refused", 80)).await.unwrap();
+    eventually("the refused status write is retried", || async {
+        (operator.metric("workqueue_retries_total", None) >= 3.0).then_some(())
+    })
+    .await;
+    let once = ["Applied NetworkPolicy and ConfigMap for generation 1"];
+    let notes = |events: Vec<(String, String)>| events.into_iter().map(|(_, note)| note).collect::<Vec<_>>();
+    assert_eq!(notes(applied_events(&env, "refused").await), once, "one event, not one per retry");
+
+    env.operator_identity("no-status", None).await; // now also bound to the full role
+    env.wait_ready("refused", ConditionStatus::True).await;
+    eventually("the reconcile that wrote the status is over", || async {
+        (operator.successful_reconciles() >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(notes(applied_events(&env, "refused").await), once, "none when the status is written at last");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_permission_is_retried_with_backoff_until_granted() {
     let env = TestEnv::new("e2e-transient").await;

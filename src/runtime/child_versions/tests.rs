@@ -131,7 +131,7 @@ fn a_reported_generation_is_remembered_while_the_children_are_known() {
     v.mark_reported(&k, Some(1));
     assert!(v.reported(&k, Some(1)));
     assert!(!v.reported(&k, Some(2)), "a new generation is reported anew");
-    assert!(!v.reported(&k, None), "no generation is never reported");
+    assert!(!v.reported(&k, None), "an object without a generation has nothing reported");
     v.forget_kind_where("ConfigMap", |_| true);
     assert!(!v.reported(&k, Some(1)), "forgotten with the children");
     assert!(v.is_empty());
@@ -144,7 +144,7 @@ fn a_first_write_of_a_kind_is_forgotten_too_when_its_watch_lets_go_first() {
     let write = v.begin_write(&k);
     v.forget_kind_where("ConfigMap", |_| true);
     v.written("ConfigMap", &k, "5", Some(1), 1);
-    write.finish();
+    assert!(!write.finish(), "no event was held");
     assert!(v.is_empty());
 }
 
