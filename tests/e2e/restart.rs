@@ -59,7 +59,7 @@ async fn a_restarted_and_resyncing_operator_writes_nothing() {
     assert_eq!(stored(&env).await, before, "a policy or child changed");
 }
 
-/// The notes of the Applied events about policy `name`.
+/// The Applied events about policy `name`: their names and notes.
 async fn applied_events(env: &TestEnv, name: &str) -> Vec<(String, String)> {
     let events = env.api::<Event>().list(&ListParams::default()).await.unwrap();
     events
@@ -69,6 +69,24 @@ async fn applied_events(env: &TestEnv, name: &str) -> Vec<(String, String)> {
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
         .map(|e| (e.name_any(), e.note.unwrap_or_default()))
         .collect()
+}
+
+fn notes(events: &[(String, String)]) -> Vec<&str> {
+    events.iter().map(|(_, note)| note.as_str()).collect()
+}
+
+/// Starts an operator as `user` under deploy/'s ClusterRole, except that it may only `verbs`
+/// `resource`; `env.operator_identity(user, None)` grants the full role later.
+async fn start_limited(env: &TestEnv, role: &str, user: &str, resource: &str, verbs: &[&str]) -> Operator {
+    let limited = env
+        .limited_cluster_role(role, |rule| {
+            if rule.resources.as_ref().unwrap().iter().any(|r| r == resource) {
+                rule.verbs = verbs.iter().map(|verb| verb.to_string()).collect();
+            }
+        })
+        .await;
+    let identity = env.operator_identity(user, Some(vec![Grant::ClusterRole(limited)])).await;
+    Operator::start(env, &identity, &[]).await
 }
 
 /// A replica that applied a policy's children and stopped (or lost the policy) before it
@@ -104,10 +122,9 @@ async fn a_generation_applied_but_never_reported_gets_its_event() {
     })
     .await;
     let events = applied_events(&env, "unreported").await;
-    let notes: Vec<&str> = events.iter().map(|(_, note)| note.as_str()).collect();
     let generation = ready.metadata.generation.expect("a policy has a generation");
     let expected = format!("NetworkPolicy and ConfigMap in place for generation {generation}");
-    assert_eq!(notes, [expected], "one Applied event, however often the policy is reconciled");
+    assert_eq!(notes(&events), [expected], "one Applied event, however often the policy is reconciled");
     // The audit log records policies and children (not events).
     let writes: Vec<String> =
         audited_writes(env.cp, &identity.user).into_iter().filter(|w| w.contains("/unreported")).collect();
@@ -121,23 +138,15 @@ async fn a_generation_applied_but_never_reported_gets_its_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_status_write_posts_its_event_once() {
     let env = TestEnv::new("e2e-status-refused").await;
-    let limited = env
-        .limited_cluster_role("e2e-operator-without-status-writes", |rule| {
-            if rule.resources.as_ref().unwrap().contains(&"applicationtrafficpolicies/status".to_string()) {
-                rule.verbs = vec!["get".into()];
-            }
-        })
-        .await;
-    let identity = env.operator_identity("no-status", Some(vec![Grant::ClusterRole(limited)])).await;
-    let operator = Operator::start(&env, &identity, &[]).await;
+    let status = "applicationtrafficpolicies/status";
+    let operator = start_limited(&env, "e2e-operator-without-status-writes", "no-status", status, &["get"]).await;
     env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &policy("refused", 80)).await.unwrap();
     eventually("the refused status write is retried", || async {
         (operator.metric("workqueue_retries_total", None) >= 3.0).then_some(())
     })
     .await;
     let once = ["Applied NetworkPolicy and ConfigMap for generation 1"];
-    let notes = |events: Vec<(String, String)>| events.into_iter().map(|(_, note)| note).collect::<Vec<_>>();
-    assert_eq!(notes(applied_events(&env, "refused").await), once, "one event, not one per retry");
+    assert_eq!(notes(&applied_events(&env, "refused").await), once, "one event, not one per retry");
 
     env.operator_identity("no-status", None).await; // now also bound to the full role
     env.wait_ready("refused", ConditionStatus::True).await;
@@ -145,21 +154,14 @@ async fn a_retried_status_write_posts_its_event_once() {
         (operator.successful_reconciles() >= 1.0).then_some(())
     })
     .await;
-    assert_eq!(notes(applied_events(&env, "refused").await), once, "none when the status is written at last");
+    assert_eq!(notes(&applied_events(&env, "refused").await), once, "none when the status is written at last");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_permission_is_retried_with_backoff_until_granted() {
     let env = TestEnv::new("e2e-transient").await;
-    let limited = env
-        .limited_cluster_role("e2e-operator-without-configmap-writes", |rule| {
-            if rule.resources.as_ref().unwrap().contains(&"configmaps".to_string()) {
-                rule.verbs = vec!["list".into(), "watch".into()];
-            }
-        })
-        .await;
-    let identity = env.operator_identity("limited", Some(vec![Grant::ClusterRole(limited)])).await;
-    let operator = Operator::start(&env, &identity, &[]).await;
+    let operator =
+        start_limited(&env, "e2e-operator-without-configmap-writes", "limited", "configmaps", &["list", "watch"]).await;
 
     env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &policy("blocked", 80)).await.unwrap();
     let failed = env.wait_ready("blocked", ConditionStatus::False).await;
