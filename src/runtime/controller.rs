@@ -160,7 +160,8 @@ where
     }
 
     /// Feeds the queue, and tells `reconciler` to forget an object once the cache lets go of
-    /// it (deleted, gone from a relist, or out of the slice). Only the watch can say so: a
+    /// it (deleted, gone from a relist, out of the slice, or replaced by a new object under
+    /// its name). Only the watch can say so: a
     /// worker that misses an object in the cache may be early (the list that brings it has
     /// not completed).
     async fn feed_primary<R: Reconciler<S>>(
@@ -220,6 +221,9 @@ where
                         Some(_) => List::NewSlice,
                     };
                     for Found { key, sight, bucket } in listing.remove(&part).unwrap_or_default() {
+                        if sight == Sight::Replaced {
+                            reconciler.forget(&key);
+                        }
                         // Buckets the part lost during the list were forgotten meanwhile.
                         if sight != Sight::Same && bucket.is_some_and(|b| scope.buckets().contains(&b)) {
                             self.queue.add(key, list.priority_of(sight));
@@ -238,6 +242,7 @@ where
                     // First seen through a watch event because it was labelled late, from
                     // a backlog nobody waits on (as after a preload): behind real changes.
                     Sight::New if backlog => self.queue.add(key(), Priority::Low),
+                    Sight::Replaced => forget(vec![key()], Priority::High),
                     _ => self.queue.add(key(), Priority::High),
                 },
                 watcher::Event::Delete(_) => forget(vec![key()], Priority::High),
@@ -446,24 +451,48 @@ mod tests {
         fn forget(&self, _: &ObjectKey) {}
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_panicking_reconcile_is_caught_and_its_key_retried() {
-        let object = ConfigMap {
-            metadata: ObjectMeta { name: Some("a".into()), namespace: Some("ns".into()), ..Default::default() },
+    /// Records what it is asked to do, in order.
+    #[derive(Default)]
+    struct Records(std::sync::Mutex<Vec<String>>);
+
+    impl Reconciler<ConfigMap> for Records {
+        async fn reconcile(&self, key: &ObjectKey, object: Arc<ConfigMap>, _: Option<u16>) -> Result<Action> {
+            let uid = object.metadata.uid.clone().unwrap_or_default();
+            self.0.lock().unwrap().push(format!("reconcile {key} {uid}"));
+            Ok(Action::Done)
+        }
+        fn forget(&self, key: &ObjectKey) {
+            self.0.lock().unwrap().push(format!("forget {key}"));
+        }
+    }
+
+    fn config_map(uid: &str) -> ConfigMap {
+        let metadata = ObjectMeta {
+            name: Some("a".into()),
+            namespace: Some("ns".into()),
+            uid: Some(uid.into()),
+            // Each uid its own version: a relist keeps an object of the same version as cached.
+            resource_version: Some(uid.into()),
             ..Default::default()
         };
+        ConfigMap { metadata, ..Default::default() }
+    }
+
+    /// Runs a controller of one worker over `events`, each applied to its cache as the
+    /// controller reads it, as the watch does.
+    fn start<R: Reconciler<ConfigMap>>(
+        events: Vec<watcher::Event<ConfigMap>>,
+        reconciler: Arc<R>,
+    ) -> (tokio::task::JoinHandle<bool>, CancellationToken) {
         let (cache, mut writer) = crate::runtime::cache::new::<ConfigMap>();
-        let events = vec![watcher::Event::Init, watcher::Event::InitApply(object), watcher::Event::InitDone];
         let scope = Scope::everything();
-        let primary: Vec<_> = events
-            .into_iter()
-            .map(|event| {
+        let primary = futures::stream::iter(events)
+            .map(move |event| {
                 let applied = writer.apply(0, &scope, &event);
                 let (key, sight, gone) = (applied.key, applied.sight, applied.gone);
                 Cached::Event { part: 0, scope: scope.clone(), event, key, sight, backlog: false, gone }
             })
-            .collect();
-        let primary = futures::stream::iter(primary).chain(futures::stream::pending());
+            .chain(futures::stream::pending());
         let settings = Settings {
             name: "test",
             workers: 1,
@@ -473,22 +502,57 @@ mod tests {
             backoff: Backoff::default(),
         };
         let controller = Controller::new(settings, cache, Health::with_gates(&[]));
-        let reconciler = Arc::new(PanicsOnce(AtomicUsize::new(0)));
         let shutdown = CancellationToken::new();
-        let children = Vec::new();
         let versions = Arc::new(ChildVersions::default());
         let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([0])));
-        let run =
-            tokio::spawn(controller.run(primary, children, slice, versions, reconciler.clone(), shutdown.clone()));
-        // The paused clock jumps over the backoff; a wedged key would never be called again.
+        let run = controller.run(primary, Vec::new(), slice, versions, reconciler, shutdown.clone());
+        (tokio::spawn(run), shutdown)
+    }
+
+    /// Polls `done` on the paused clock, which jumps over backoffs and resyncs, for up to a minute.
+    async fn until(done: impl Fn() -> bool) {
         for _ in 0..600 {
-            if reconciler.0.load(Ordering::SeqCst) >= 2 {
-                break;
+            if done() {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_reconcile_is_caught_and_its_key_retried() {
+        let events = vec![watcher::Event::Init, watcher::Event::InitApply(config_map("u1")), watcher::Event::InitDone];
+        let reconciler = Arc::new(PanicsOnce(AtomicUsize::new(0)));
+        let (run, shutdown) = start(events, reconciler.clone());
+        // A wedged key would never be called again.
+        until(|| reconciler.0.load(Ordering::SeqCst) >= 2).await;
         assert_eq!(reconciler.0.load(Ordering::SeqCst), 2, "retried once after the panic, then done");
         shutdown.cancel();
         assert!(run.await.unwrap(), "drained: no worker died with the panic");
+    }
+
+    /// A policy deleted and created again under its name while the watch was down: what was
+    /// kept for the old one (its children's versions, the generation it reported) is dropped
+    /// before the new one is reconciled, whether a relist or a watch event brings it.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_uid_under_a_known_name_forgets_the_old_object_first() {
+        use watcher::Event::{Apply, Init, InitApply, InitDone};
+        let relist = vec![Init, InitApply(config_map("u1")), InitDone, Init, InitApply(config_map("u2")), InitDone];
+        let event = vec![Init, InitApply(config_map("u1")), InitDone, Apply(config_map("u2"))];
+        for (how, events) in [("relist", relist), ("watch event", event)] {
+            let reconciler = Arc::new(Records::default());
+            let (run, shutdown) = start(events, reconciler.clone());
+            let records = || reconciler.0.lock().unwrap().clone();
+            until(|| records().last().is_some_and(|last| last == "reconcile ns/a u2")).await;
+            shutdown.cancel();
+            assert!(run.await.unwrap());
+            let records = records();
+            let forgotten = records.iter().position(|r| r == "forget ns/a");
+            let reconciled = records.iter().rposition(|r| r == "reconcile ns/a u2");
+            assert!(
+                forgotten.is_some() && forgotten < reconciled,
+                "{how}: the old object forgotten, then the new one reconciled: {records:?}"
+            );
+        }
     }
 }

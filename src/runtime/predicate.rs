@@ -20,8 +20,11 @@ use super::queue::Priority;
 pub enum Sight {
     /// Nothing worth a reconcile.
     Same,
-    /// Not seen before (by name, or by uid under a known name).
+    /// Not seen before.
     New,
+    /// A new uid under a known name: the object cached under that name was deleted and this
+    /// one created while the watch was down. What was kept for the old one must go.
+    Replaced,
     /// A new generation of a known object.
     Changed,
 }
@@ -31,7 +34,7 @@ pub fn sight<S: Stored>(cached: Option<&S>, object: &S::Object) -> Sight {
     let Some(cached) = cached else { return Sight::New };
     let now = object.meta();
     if !cached.has_uid(now.uid.as_deref()) {
-        Sight::New
+        Sight::Replaced
     } else if cached.generation() != now.generation {
         Sight::Changed
     } else {
@@ -55,7 +58,7 @@ impl List {
     /// or an object created during a watch gap, goes high.
     pub fn priority_of(self, sight: Sight) -> Priority {
         match (self, sight) {
-            (List::First, _) | (List::NewSlice, Sight::New) => Priority::Low,
+            (List::First, _) | (List::NewSlice, Sight::New | Sight::Replaced) => Priority::Low,
             _ => Priority::High,
         }
     }
@@ -80,7 +83,7 @@ mod tests {
         assert_eq!(sight(Some(&first), &object("u1", 1)), Sight::Same, "status, label or annotation update");
         assert_eq!(sight(Some(&first), &object("u1", 2)), Sight::Changed, "spec change");
         // Deleted and created again while the watch was down: a relist shows generation 1 again.
-        assert_eq!(sight(Some(&first), &object("u2", 1)), Sight::New, "same name and generation, another object");
+        assert_eq!(sight(Some(&first), &object("u2", 1)), Sight::Replaced, "same name and generation, another object");
     }
 
     #[test]
@@ -91,7 +94,9 @@ mod tests {
             (List::First, Sight::Changed, Low),
             (List::NewSlice, Sight::New, Low),
             (List::NewSlice, Sight::Changed, High),
+            (List::NewSlice, Sight::Replaced, Low),
             (List::SameSlice, Sight::New, High),
+            (List::SameSlice, Sight::Replaced, High),
             (List::SameSlice, Sight::Changed, High),
         ] {
             assert_eq!(list.priority_of(sight), lane, "{list:?}, {sight:?}");
