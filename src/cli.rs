@@ -141,6 +141,12 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_KUBE_API_BURST", default_value = "1000")]
     pub kube_api_burst: NonZeroU32,
 
+    /// Offer HTTP/2 to the API server, as client-go does: all of a client's requests and
+    /// watches then share one connection. `false` keeps to HTTP/1.1 (a connection per request
+    /// in flight).
+    #[arg(long, env = "TPO_KUBE_API_HTTP2", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kube_api_http2: bool,
+
     /// Test mode: append a JSON line per reconcile start, API write and reconcile end here.
     #[arg(long, env = "TPO_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,

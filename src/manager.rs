@@ -61,7 +61,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let config = crate::client::config(args.kubeconfig.as_deref()).await?;
     let Clients { work: client, coordination } =
-        Clients::connect(config, args.kube_api_qps, args.kube_api_burst).await?;
+        Clients::connect(config, args.kube_api_http2, args.kube_api_qps, args.kube_api_burst).await?;
     let health = admin::Health::with_gates(&READINESS_GATES);
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));

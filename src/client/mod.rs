@@ -6,7 +6,10 @@
 //! controller-runtime follows since v0.21). Coordination (Lease renewals, leader election,
 //! the member and assignment watches and writes) has a client of its own without it: a burst
 //! of work must never make a renewal late. Both keep kube-client's default retry of 429, 503
-//! and 504, with backoff that honours the server's Retry-After.
+//! and 504, with backoff that honours the server's Retry-After. Both speak HTTP/2 where the
+//! API server offers it ([`transport`]): each client's requests share one connection.
+
+mod transport;
 
 use std::fmt;
 use std::future::Future;
@@ -19,7 +22,6 @@ use std::task::{Context, Poll, ready};
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use kube::Client;
-use kube::client::ClientBuilder;
 use tower::{Layer, Service};
 
 pub struct Clients {
@@ -30,10 +32,15 @@ pub struct Clients {
 }
 
 impl Clients {
-    /// Both clients; with `RateLimit::Auto`, asks the API server first whether it applies
-    /// Priority and Fairness. The limit in force is logged and exported.
-    pub async fn connect(config: kube::Config, limit: RateLimit, burst: NonZeroU32) -> anyhow::Result<Self> {
-        let coordination = ClientBuilder::try_from(config.clone())?.with_layer(&RequestMetrics).build();
+    /// Both clients, offering HTTP/2 if `http2`; with `RateLimit::Auto`, asks the API server
+    /// first whether it applies Priority and Fairness. The limit in force is logged and exported.
+    pub async fn connect(
+        config: kube::Config,
+        http2: bool,
+        limit: RateLimit,
+        burst: NonZeroU32,
+    ) -> anyhow::Result<Self> {
+        let coordination = transport::builder(&config, http2)?.with_layer(&RequestMetrics).build();
         let qps = match limit {
             RateLimit::PerSecond(qps) => Some(qps),
             RateLimit::Off => None,
@@ -52,7 +59,7 @@ impl Clients {
             (None, _) => tracing::info!("client-side rate limit off: the API server applies Priority and Fairness"),
         }
         crate::telemetry::metrics::set_client_rate_limit(qps.map_or(0, NonZeroU32::get));
-        let work = ClientBuilder::try_from(config)?.with_layer(&RequestMetrics);
+        let work = transport::builder(&config, http2)?.with_layer(&RequestMetrics);
         let work = match qps {
             Some(qps) => {
                 let limiter = Arc::new(RateLimiter::direct(Quota::per_second(qps).allow_burst(burst)));
