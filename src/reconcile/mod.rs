@@ -214,6 +214,7 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
         // The policy in full for this reconcile only: the cache keeps it compact.
         let policy = cached.to_policy(key);
         let generation = policy.meta().generation.unwrap_or_default();
+        let uid = policy.meta().uid.as_deref().unwrap_or_default();
         let write = self.child_versions.begin_write(key);
         let applied = self.apply_children(&policy, key, gate).await;
         let changed_meanwhile = write.finish();
@@ -222,7 +223,7 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
                 // Reported once per generation: the cache may not show yet the status this
                 // replica wrote with its event, so its own last event counts too.
                 let already_reported = status::says_applied(cached.ready(), Some(generation))
-                    || self.child_versions.reported(key, Some(generation));
+                    || self.child_versions.reported(key, uid, Some(generation));
                 let reports = events::after_apply(&effects, generation, already_reported);
                 let repaired = async {
                     if let Some(events::Report { occurrence, reason, note }) = reports.repaired {
@@ -233,7 +234,7 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
                     if let Some(events::Report { occurrence, reason, note }) = reports.applied
                         && self.event(&policy, gate, occurrence, reason, note).await
                     {
-                        self.child_versions.mark_reported(key, Some(generation));
+                        self.child_versions.mark_reported(key, uid, Some(generation));
                     }
                 };
                 // The status and the events side by side: none waits for another.

@@ -10,9 +10,9 @@
 //! can skip an apply that would change nothing: no write per child at resync, restart or
 //! handoff.
 //!
-//! And it remembers the last generation of each owner whose outcome was reported (for the
-//! traffic-policy reconcile, its "Applied" event), since the cache may not show yet the
-//! status written with it: a second reconcile close behind the first must not report again.
+//! And it remembers the last generation of each owner whose outcome was reported, with the
+//! owner's uid (for the traffic-policy reconcile, its "Applied" event), since the cache may
+//! not show yet the status written with it: a second reconcile close behind the first must not report again.
 //!
 //! The echo of a write may arrive before the write's response. So while an owner is being
 //! written ([`ChildVersions::begin_write`] … [`ChildVersions::end_write`]), events for its
@@ -99,7 +99,22 @@ pub const CHILD_KINDS: usize = 2;
 #[derive(Debug, Default)]
 struct Children {
     slots: [Known; CHILD_KINDS],
-    reported: Option<Generation>,
+    reported: Option<ReportedMark>,
+}
+
+/// A reported generation, with the uid of the object it belongs to: an object deleted and
+/// created again under the same name must not find its predecessor's generation 1 reported,
+/// whichever a worker reconciles first, the new object or the forgetting of the old one. The
+/// uid's hash in the upper 32 bits and the generation in the lower, in the 8 bytes a
+/// generation alone took.
+type ReportedMark = NonZeroU64;
+
+/// `None` for no generation, and for a generation above 2^32 (four billion edits of one
+/// object), which is then never taken as reported: at worst one more `Applied` event.
+fn reported_mark(uid: &str, generation: Option<i64>) -> Option<ReportedMark> {
+    let generation = u32::try_from(generation?).ok().filter(|g| *g > 0)?;
+    let uid = xxh3_64(uid.as_bytes()) >> 32;
+    NonZeroU64::new(uid << 32 | u64::from(generation))
 }
 
 impl Children {
@@ -302,17 +317,19 @@ impl ChildVersions {
         }
     }
 
-    /// Whether `owner`'s `generation` was reported already (see [`Self::mark_reported`]).
-    pub fn reported(&self, owner: &ObjectKey, generation: Option<i64>) -> bool {
-        let generation = nonzero_generation(generation);
-        generation.is_some() && self.lock().known.get(owner).is_some_and(|children| children.reported == generation)
+    /// Whether `generation` of `owner`, the object with `uid`, was reported already (see
+    /// [`Self::mark_reported`]).
+    pub fn reported(&self, owner: &ObjectKey, uid: &str, generation: Option<i64>) -> bool {
+        let mark = reported_mark(uid, generation);
+        mark.is_some() && self.lock().known.get(owner).is_some_and(|children| children.reported == mark)
     }
 
-    /// Records that `owner`'s `generation` was reported (`None`, no generation: forgets the last
-    /// one). Only while its children are known: an owner forgotten meanwhile stays forgotten.
-    pub fn mark_reported(&self, owner: &ObjectKey, generation: Option<i64>) {
+    /// Records that `generation` of `owner`, the object with `uid`, was reported (`None`, no
+    /// generation: forgets the last one). Only while its children are known: an owner
+    /// forgotten meanwhile stays forgotten.
+    pub fn mark_reported(&self, owner: &ObjectKey, uid: &str, generation: Option<i64>) {
         if let Some(children) = self.lock().known.get_mut(owner) {
-            children.reported = nonzero_generation(generation);
+            children.reported = reported_mark(uid, generation);
         }
     }
 

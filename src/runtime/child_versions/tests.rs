@@ -124,16 +124,20 @@ fn a_write_that_ends_after_its_owner_was_forgotten_brings_nothing_back() {
 fn a_reported_generation_is_remembered_while_the_children_are_known() {
     let v = ChildVersions::default();
     let k = ObjectKey::new("ns", "a");
-    v.mark_reported(&k, Some(1));
-    assert!(!v.reported(&k, Some(1)), "nothing known of the children: nothing to remember it with");
+    v.mark_reported(&k, "u1", Some(1));
+    assert!(!v.reported(&k, "u1", Some(1)), "nothing known of the children: nothing to remember it with");
     v.written("ConfigMap", &k, "5", Some(1), 1);
-    assert!(!v.reported(&k, Some(1)));
-    v.mark_reported(&k, Some(1));
-    assert!(v.reported(&k, Some(1)));
-    assert!(!v.reported(&k, Some(2)), "a new generation is reported anew");
-    assert!(!v.reported(&k, None), "an object without a generation has nothing reported");
+    assert!(!v.reported(&k, "u1", Some(1)));
+    v.mark_reported(&k, "u1", Some(1));
+    assert!(v.reported(&k, "u1", Some(1)));
+    assert!(!v.reported(&k, "u1", Some(2)), "a new generation is reported anew");
+    assert!(!v.reported(&k, "u1", None), "an object without a generation has nothing reported");
+    assert!(!v.reported(&k, "u2", Some(1)), "another object under the same name: its generation 1 is its own");
+    v.mark_reported(&k, "u1", Some(i64::from(u32::MAX) + 1));
+    assert!(!v.reported(&k, "u1", Some(i64::from(u32::MAX) + 1)), "beyond 2^32 never taken as reported");
+    v.mark_reported(&k, "u1", Some(1));
     v.forget_kind_where("ConfigMap", |_| true);
-    assert!(!v.reported(&k, Some(1)), "forgotten with the children");
+    assert!(!v.reported(&k, "u1", Some(1)), "forgotten with the children");
     assert!(v.is_empty());
 }
 

@@ -1,0 +1,123 @@
+use super::*;
+use crate::runtime::parts::Scope;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::ObjectMeta;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Panics on its first call, succeeds after.
+struct PanicsOnce(AtomicUsize);
+
+impl Reconciler<ConfigMap> for PanicsOnce {
+    async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>, _: Option<u16>) -> Result<Action> {
+        if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+            panic!("a bug in the reconcile");
+        }
+        Ok(Action::Done)
+    }
+    fn forget(&self, _: &ObjectKey) {}
+}
+
+/// Records what it is asked to do, in order.
+#[derive(Default)]
+struct Records(std::sync::Mutex<Vec<String>>);
+
+impl Reconciler<ConfigMap> for Records {
+    async fn reconcile(&self, key: &ObjectKey, object: Arc<ConfigMap>, _: Option<u16>) -> Result<Action> {
+        let uid = object.metadata.uid.clone().unwrap_or_default();
+        self.0.lock().unwrap().push(format!("reconcile {key} {uid}"));
+        Ok(Action::Done)
+    }
+    fn forget(&self, key: &ObjectKey) {
+        self.0.lock().unwrap().push(format!("forget {key}"));
+    }
+}
+
+fn config_map(uid: &str) -> ConfigMap {
+    let metadata = ObjectMeta {
+        name: Some("a".into()),
+        namespace: Some("ns".into()),
+        uid: Some(uid.into()),
+        // Each uid its own version: a relist keeps an object of the same version as cached.
+        resource_version: Some(uid.into()),
+        ..Default::default()
+    };
+    ConfigMap { metadata, ..Default::default() }
+}
+
+/// Runs a controller of one worker over `events`, each applied to its cache as the
+/// controller reads it, as the watch does.
+fn start<R: Reconciler<ConfigMap>>(
+    events: Vec<watcher::Event<ConfigMap>>,
+    reconciler: Arc<R>,
+) -> (tokio::task::JoinHandle<bool>, CancellationToken) {
+    let (cache, mut writer) = crate::runtime::cache::new::<ConfigMap>();
+    let scope = Scope::everything();
+    let primary = futures::stream::iter(events)
+        .map(move |event| {
+            let applied = writer.apply(0, &scope, &event);
+            let (key, sight, gone) = (applied.key, applied.sight, applied.gone);
+            Cached::Event { part: 0, scope: scope.clone(), event, key, sight, backlog: false, gone }
+        })
+        .chain(futures::stream::pending());
+    let settings = Settings {
+        name: "test",
+        workers: 1,
+        resync: Duration::from_secs(3600),
+        drain_timeout: Duration::from_secs(1),
+        reconcile_timeout: Duration::from_secs(10),
+        backoff: Backoff::default(),
+    };
+    let controller = Controller::new(settings, cache, Health::with_gates(&[]));
+    let shutdown = CancellationToken::new();
+    let versions = Arc::new(ChildVersions::default());
+    let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([0])));
+    let run = controller.run(primary, Vec::new(), slice, versions, reconciler, shutdown.clone());
+    (tokio::spawn(run), shutdown)
+}
+
+/// Polls `done` on the paused clock, which jumps over backoffs and resyncs, for up to a minute.
+async fn until(done: impl Fn() -> bool) {
+    for _ in 0..600 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_reconcile_is_caught_and_its_key_retried() {
+    let events = vec![watcher::Event::Init, watcher::Event::InitApply(config_map("u1")), watcher::Event::InitDone];
+    let reconciler = Arc::new(PanicsOnce(AtomicUsize::new(0)));
+    let (run, shutdown) = start(events, reconciler.clone());
+    // A wedged key would never be called again.
+    until(|| reconciler.0.load(Ordering::SeqCst) >= 2).await;
+    assert_eq!(reconciler.0.load(Ordering::SeqCst), 2, "retried once after the panic, then done");
+    shutdown.cancel();
+    assert!(run.await.unwrap(), "drained: no worker died with the panic");
+}
+
+/// A policy deleted and created again under its name while the watch was down: what was
+/// kept for the old one (its children's versions, the generation it reported) is dropped
+/// before the new one is reconciled, whether a relist or a watch event brings it.
+#[tokio::test(start_paused = true)]
+async fn a_new_uid_under_a_known_name_forgets_the_old_object_first() {
+    use watcher::Event::{Apply, Init, InitApply, InitDone};
+    let relist = vec![Init, InitApply(config_map("u1")), InitDone, Init, InitApply(config_map("u2")), InitDone];
+    let event = vec![Init, InitApply(config_map("u1")), InitDone, Apply(config_map("u2"))];
+    for (how, events) in [("relist", relist), ("watch event", event)] {
+        let reconciler = Arc::new(Records::default());
+        let (run, shutdown) = start(events, reconciler.clone());
+        let records = || reconciler.0.lock().unwrap().clone();
+        until(|| records().last().is_some_and(|last| last == "reconcile ns/a u2")).await;
+        shutdown.cancel();
+        assert!(run.await.unwrap());
+        let records = records();
+        let forgotten = records.iter().position(|r| r == "forget ns/a");
+        let reconciled = records.iter().position(|r| r == "reconcile ns/a u2");
+        assert!(
+            forgotten.is_some() && forgotten < reconciled,
+            "{how}: the old object forgotten, then the new one reconciled: {records:?}"
+        );
+    }
+}
