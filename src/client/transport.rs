@@ -25,10 +25,15 @@ pub type Stack = BoxService<Request<Body>, Response<Box<DynBody>>, BoxError>;
 
 /// What `ClientBuilder::try_from(config)` builds (TLS as the kubeconfig says, base URI, kube's
 /// retry of 429, 503 and 504, authentication, extra headers, and the connect and write
-/// timeouts), with `h2` offered before `http/1.1` if `http2`. Left out: kube's debug-level tracing spans per request (the request
-/// metrics layer counts and times every request), and the expiry of client certificates that
+/// timeouts), with `h2` offered before `http/1.1` if `http2`. Left out: kube's tracing span per request and its error log
+/// per failed response (the request metrics layer counts and times every request, by status), and the expiry of client certificates that
 /// an exec plugin hands out, which kube does not expose (a client is built once a process).
 pub fn builder(config: &kube::Config, http2: bool) -> anyhow::Result<ClientBuilder<Stack>> {
+    if config.proxy_url.is_some() {
+        // A proxy (kubeconfig `proxy-url`, or `HTTPS_PROXY` with a kubeconfig): kube's own stack,
+        // which refuses it with a clear error, as this build enables none of kube's proxy support.
+        return Ok(ClientBuilder::try_from(config.clone())?);
+    }
     let https = HttpsConnectorBuilder::new().with_tls_config(config.rustls_client_config()?).https_or_http();
     let https = match &config.tls_server_name {
         Some(name) => https.with_server_name_resolver(FixedServerNameResolver::new(name.clone().try_into()?)),
@@ -66,4 +71,17 @@ pub fn builder(config: &kube::Config, http2: bool) -> anyhow::Result<ClientBuild
         .service(client)
         .map_response(|response| response.map(|body| Box::new(body.map_err(BoxError::from)) as Box<DynBody>));
     Ok(ClientBuilder::new(BoxService::new(service), config.default_namespace.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proxy_is_refused_as_kube_refuses_it() {
+        let mut config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
+        config.proxy_url = Some("http://proxy.example:3128".parse().unwrap());
+        let error = builder(&config, true).err().expect("no proxy support in this build");
+        assert!(error.to_string().contains("proxy"), "{error}");
+    }
 }
