@@ -25,9 +25,10 @@ pub type Stack = BoxService<Request<Body>, Response<Box<DynBody>>, BoxError>;
 
 /// What `ClientBuilder::try_from(config)` builds (TLS as the kubeconfig says, base URI, kube's
 /// retry of 429, 503 and 504, authentication, extra headers, and the connect and write
-/// timeouts), with `h2` offered before `http/1.1` if `http2`. Left out: kube's tracing span per request and its error log
-/// per failed response (the request metrics layer counts and times every request, by status), and the expiry of client certificates that
-/// an exec plugin hands out, which kube does not expose (a client is built once a process).
+/// timeouts), with `h2` offered before `http/1.1` if `http2`. Left out: kube's tracing span
+/// per request and its error log per failed response (the request metrics layer counts and
+/// times every request, by status), and the expiry of client certificates that an exec
+/// plugin hands out, which kube does not expose (a client is built once a process).
 pub fn builder(config: &kube::Config, http2: bool) -> anyhow::Result<ClientBuilder<Stack>> {
     if config.proxy_url.is_some() {
         // A proxy (kubeconfig `proxy-url`, or `HTTPS_PROXY` with a kubeconfig): kube's own stack,

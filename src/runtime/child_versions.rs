@@ -12,7 +12,8 @@
 //!
 //! And it remembers the last generation of each owner whose outcome was reported, with the
 //! owner's uid (for the traffic-policy reconcile, its "Applied" event), since the cache may
-//! not show yet the status written with it: a second reconcile close behind the first must not report again.
+//! not show yet the status written with it: a second reconcile close behind the first must
+//! not report again.
 //!
 //! The echo of a write may arrive before the write's response. So while an owner is being
 //! written ([`ChildVersions::begin_write`] … [`ChildVersions::end_write`]), events for its

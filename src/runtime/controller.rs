@@ -161,9 +161,8 @@ where
 
     /// Feeds the queue, and tells `reconciler` to forget an object once the cache lets go of
     /// it (deleted, gone from a relist, out of the slice, or replaced by a new object under
-    /// its name). Only the watch can say so: a
-    /// worker that misses an object in the cache may be early (the list that brings it has
-    /// not completed).
+    /// its name). Only the watch can say so: a worker that misses an object in the cache may
+    /// be early (the list that brings it has not completed).
     async fn feed_primary<R: Reconciler<S>>(
         self: Arc<Self>,
         primary: impl Stream<Item = Cached<S::Object>> + Send,
