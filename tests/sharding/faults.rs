@@ -335,8 +335,24 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
         cm.owner_references().iter().any(|o| o.uid == new_uid).then_some(())
     })
     .await;
+    // Its generation 1 is its own: the replica had reported the old policy's generation 1 under
+    // the same name, which must not count for the new one.
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(fleet.client(), &namespace);
+    eventually("an Applied event about the new policy", || async {
+        let events = events.list(&ListParams::default()).await.ok()?;
+        events
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("Applied"))
+            .any(|e| e.regarding.as_ref().and_then(|r| r.uid.as_deref()) == Some(new_uid.as_str()))
+            .then_some(())
+    })
+    .await;
     let verdict = fleet.finish().await;
-    println!("delete and recreate in a watch gap: reconciled; {} writes seen by the server", verdict.writes);
+    println!(
+        "delete and recreate in a watch gap: reconciled and reported; {} writes seen by the server",
+        verdict.writes
+    );
 }
 
 /// Defect 6: a reconcile that never ends holds up neither the buckets its replica gains at the
