@@ -10,11 +10,12 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use traffic_policy_operator::coordination::follower::decode;
 use traffic_policy_operator::coordination::members::lease_state;
+use traffic_policy_operator::coordination::published::decode;
 use traffic_policy_operator::coordination::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
 use traffic_policy_operator::sharding::assignment::{Assignment, Slot, desired};
-use traffic_policy_operator::sharding::balance::{self, Balance, Counts};
+use traffic_policy_operator::sharding::balance::{self, Balance};
+use traffic_policy_operator::sharding::counts::Counts;
 
 use crate::run::Args;
 

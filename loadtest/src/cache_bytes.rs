@@ -21,9 +21,10 @@ use serde_json::json;
 use tikv_jemalloc_ctl::{epoch, stats};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::cached::CachedPolicy;
-use traffic_policy_operator::runtime::cache::{self, Stored};
+use traffic_policy_operator::runtime::cache;
 use traffic_policy_operator::runtime::key::ObjectKey;
 use traffic_policy_operator::runtime::parts::Scope;
+use traffic_policy_operator::runtime::stored::Stored;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -16,7 +16,7 @@ use kube::Client;
 use kube::api::Api;
 use serde_json::json;
 use tokio_util::task::AbortOnDropHandle;
-use traffic_policy_operator::coordination::follower::record_published;
+use traffic_policy_operator::coordination::published::record_published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 

@@ -25,15 +25,16 @@ use kube_leader_election::{LeaseLock, LeaseLockParams, LeaseLockResult};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::follower::AssignmentView;
 use super::labeller::label_unlabeled_policies;
 use super::members::{Members, lease_state};
 use super::namespace_labels::label_namespaces;
 use super::ownership::Ownership;
+use super::published::AssignmentView;
 use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
 use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, plan};
-use crate::sharding::balance::{self, Counts, Steadiness};
+use crate::sharding::balance::{self, Steadiness};
 use crate::sharding::bucket::Mode;
+use crate::sharding::counts::Counts;
 use crate::sharding::membership::{Liveness, pod_of};
 use crate::telemetry::metrics as m;
 

@@ -24,9 +24,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::follower::{AssignmentView, decode};
 use super::load::LoadReport;
 use super::ownership::Ownership;
+use super::published::{AssignmentView, decode};
 use super::{ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, LOAD_ANNOTATION, SEEN_ANNOTATION, ShardConfig};
 use crate::telemetry::metrics as m;
 

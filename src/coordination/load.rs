@@ -14,7 +14,7 @@ use super::ownership::Ownership;
 use crate::reconcile::cached::CachedPolicy;
 use crate::runtime::Listed;
 use crate::runtime::cache::Cache;
-use crate::sharding::balance::{Counts, Report};
+use crate::sharding::counts::{Counts, Report};
 
 /// How often the cache is counted: a rebalance waits for reports of the current generation.
 const COUNT_EVERY: Duration = Duration::from_secs(5);

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{ACK_ANNOTATION, LOAD_ANNOTATION, MEMBER_LEASE_PREFIX, SEEN_ANNOTATION};
-use crate::sharding::balance::Report;
+use crate::sharding::counts::Report;
 use crate::sharding::membership::{LeaseState, MemberTable};
 use crate::telemetry::admin::Health;
 

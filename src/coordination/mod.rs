@@ -5,6 +5,7 @@
 //! - [`leader`]: leader election, and the leader's duties: publishing the assignment and,
 //!   in label mode, bucket labels ([`namespace_labels`] on namespaces, for the
 //!   admission policy of deploy/components/bucket-labels; [`labeller`] on each policy that came without one);
+//! - [`published`]: the newest published assignment this replica has read;
 //! - [`follower`]: applying the published assignment to this replica (re-target the
 //!   watches at once, drain what was lost, acknowledge);
 //! - [`ownership`]: what this replica may write right now, with the fencing epoch;
@@ -25,6 +26,7 @@ pub mod members;
 pub mod mode;
 pub mod namespace_labels;
 pub mod ownership;
+pub mod published;
 pub mod status;
 
 use std::time::Duration;

@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ListParams, PartialObjectMeta};
 use kube::{Client, ResourceExt};
 
-use super::follower::decode;
+use super::published::decode;
 use super::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
 use crate::api::ApplicationTrafficPolicy;
 use crate::sharding::assignment::Slot;

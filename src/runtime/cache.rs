@@ -27,44 +27,7 @@ use kube::runtime::watcher;
 use super::key::ObjectKey;
 use super::parts::Scope;
 use super::predicate::{Sight, sight};
-
-/// The form an object takes in the cache. It keeps what the runtime compares between
-/// events: the uid, the generation and the resourceVersion.
-pub trait Stored: Send + Sync + Sized + 'static {
-    /// The object watched.
-    type Object: Resource + Clone;
-    fn store(object: &Self::Object) -> Self;
-    fn has_uid(&self, uid: Option<&str>) -> bool;
-    fn generation(&self) -> Option<i64>;
-    /// Whether this is `resource_version` of the object (never when either has none).
-    fn is_version(&self, resource_version: Option<&str>) -> bool;
-}
-
-/// By default, the object itself, trimmed as [`super::watch::trim`] says. As kube's reflector
-/// does, it is a clone: a clone also drops the spare room that decoded lists keep (a list of
-/// one has room for four).
-impl<K: Resource + Clone + Send + Sync + 'static> Stored for K {
-    type Object = K;
-
-    fn store(object: &K) -> K {
-        let mut object = object.clone();
-        super::watch::trim(&mut object);
-        object
-    }
-
-    fn has_uid(&self, uid: Option<&str>) -> bool {
-        self.meta().uid.as_deref() == uid
-    }
-
-    fn generation(&self) -> Option<i64> {
-        self.meta().generation
-    }
-
-    fn is_version(&self, resource_version: Option<&str>) -> bool {
-        let cached = self.meta().resource_version.as_deref();
-        cached.is_some() && cached == resource_version
-    }
-}
+use super::stored::Stored;
 
 /// A cached object and its bucket (`None`: in no bucket, e.g. a malformed bucket label).
 pub struct Entry<S> {

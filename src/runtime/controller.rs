@@ -29,12 +29,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 use super::backoff::Backoff;
-use super::cache::{Cache, Entry, Stored};
+use super::cache::{Cache, Entry};
 use super::child_versions::{CHILD_KINDS, ChildVersions, KnownBefore};
 use super::key::ObjectKey;
 use super::parts::{Buckets, Slice};
 use super::predicate::{List, Sight};
 use super::queue::{Priority, WorkQueue};
+use super::stored::Stored;
 use super::watch::{Cached, ChildEvent};
 use crate::error::{Error, Result};
 use crate::telemetry::admin::Health;

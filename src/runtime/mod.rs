@@ -1,5 +1,5 @@
 //! The controller runtime, in pipeline order: [`watch`] sources of the slice's [`parts`] feed
-//! a [`cache`] of compact copies, which judges each event with the [`predicate`] and feeds the
+//! a [`cache`] of compact copies ([`stored`]), which judges each event with the [`predicate`] and feeds the
 //! [`queue`]; the [`controller`]'s workers take keys from it and call a
 //! [`controller::Reconciler`]. Nothing here knows about traffic policies.
 //!
@@ -7,7 +7,7 @@
 //! Its watches and backoff are used here; its reflector store and controller are not. The
 //! store keys each object by a copy of its name, namespace, resourceVersion and uid, where
 //! [`cache`] shares one small key with the queue, keeps objects in whatever form their
-//! reconcile needs (see [`cache::Stored`]), and is the predicate's memory. And the operator
+//! reconcile needs (see [`stored::Stored`]), and is the predicate's memory. And the operator
 //! needs what its controller lacks:
 //! - two priority lanes, so a real edit goes before a relist's or a handoff's backlog;
 //! - watches of a changing slice in parts, so that a handoff lists only what it moves, and
@@ -33,6 +33,7 @@ pub mod key;
 pub mod parts;
 pub mod predicate;
 pub mod queue;
+pub mod stored;
 pub mod watch;
 
 pub use controller::{Action, Controller, Listed, Reconciler, Settings};

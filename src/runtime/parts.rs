@@ -23,8 +23,16 @@ use kube::api::{Api, ObjectMeta};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
-use super::watch::SliceSelector;
 use crate::telemetry::metrics;
+
+/// How a watch asks the API server for this replica's slice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceSelector {
+    /// A label selector.
+    Labels(String),
+    /// A `shardSelector` expression (KEP-5866): ranges of the server's hash of a field.
+    Shards(String),
+}
 
 /// More parts than this are folded into one watch at the next gain.
 pub const MAX_PARTS: usize = 8;

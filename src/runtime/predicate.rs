@@ -12,8 +12,8 @@
 
 use kube::Resource;
 
-use super::cache::Stored;
 use super::queue::Priority;
+use super::stored::Stored;
 
 /// What an event shows about an object, against what was seen before.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -13,34 +13,12 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
-use super::cache::{Applied, CacheWriter, Stored};
+use super::cache::{Applied, CacheWriter};
 use super::child_versions::stamped_content;
 use super::key::ObjectKey;
 use super::parts::{Scope, SliceEvent};
 use super::predicate::Sight;
-
-const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
-
-/// Drops what the reconcile never reads before an object is cached: managed fields and
-/// the client-side-apply annotation are often larger than the spec itself.
-pub fn trim<K: Resource>(object: &mut K) {
-    object.meta_mut().managed_fields = None;
-    if let Some(annotations) = &mut object.meta_mut().annotations {
-        annotations.remove(LAST_APPLIED);
-        if annotations.is_empty() {
-            object.meta_mut().annotations = None;
-        }
-    }
-}
-
-/// How a watch asks the API server for this replica's slice.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SliceSelector {
-    /// A label selector.
-    Labels(String),
-    /// A `shardSelector` expression (KEP-5866): ranges of the server's hash of a field.
-    Shards(String),
-}
+use super::stored::Stored;
 
 /// A primary watch event, once the cache has taken it.
 pub enum Cached<K> {
@@ -154,25 +132,4 @@ where
             initial,
         })
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use k8s_openapi::api::core::v1::ConfigMap;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
-    use std::collections::BTreeMap;
-
-    #[test]
-    fn trim_drops_managed_fields_and_last_applied_but_keeps_other_annotations() {
-        let mut cm = ConfigMap::default();
-        cm.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
-        cm.metadata.annotations = Some(BTreeMap::from([
-            (LAST_APPLIED.to_string(), "{...}".to_string()),
-            ("keep".to_string(), "me".to_string()),
-        ]));
-        trim(&mut cm);
-        assert!(cm.metadata.managed_fields.is_none());
-        assert_eq!(cm.metadata.annotations.unwrap().keys().collect::<Vec<_>>(), ["keep"]);
-    }
 }

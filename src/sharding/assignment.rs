@@ -24,8 +24,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::balance::{self, Counts};
 use super::bucket::{BUCKETS, Bucket, Mode};
+use super::counts::{self, Counts};
 use super::membership::pod_of;
 use super::ring::Ring;
 
@@ -160,7 +160,7 @@ impl Assignment {
             ("slots".to_string(), slots.join(",")),
         ]);
         if let Some(objects) = &self.objects {
-            data.insert("objects".to_string(), balance::encode_counts(objects));
+            data.insert("objects".to_string(), counts::encode_counts(objects));
         }
         data
     }
@@ -198,7 +198,7 @@ impl Assignment {
             return Err(format!("assignment has {} slots, expected {BUCKETS}", slots.len()));
         }
         let objects =
-            data.get("objects").map(|o| balance::decode_counts(o)).transpose().map_err(|e| format!("objects: {e}"))?;
+            data.get("objects").map(|o| counts::decode_counts(o)).transpose().map_err(|e| format!("objects: {e}"))?;
         Ok(Self { generation, slots, mode, objects })
     }
 }
@@ -222,7 +222,7 @@ pub fn desired(receivers: &BTreeSet<String>, objects: Option<&Counts>) -> Vec<Op
     let by_pod: BTreeMap<&str, &str> = receivers.iter().map(|m| (pod_of(m), m.as_str())).collect();
     let pods: Vec<&str> = by_pod.keys().copied().collect();
     let ring = Ring::new(&pods);
-    let owners = ring.assign_names_weighted(&balance::weights(objects));
+    let owners = ring.assign_names_weighted(&counts::weights(objects));
     owners.into_iter().map(|pod| pod.map(|p| by_pod[p].to_string())).collect()
 }
 

@@ -26,9 +26,7 @@ use tokio::time::Instant;
 
 use super::assignment::{Assignment, Slot, desired};
 use super::bucket::{BUCKETS, Bucket};
-
-/// Objects per bucket; buckets without objects are left out.
-pub type Counts = BTreeMap<Bucket, u32>;
+use super::counts::{Counts, Report};
 
 /// When the leader rebalances by objects.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -67,55 +65,6 @@ impl Steadiness {
             }
         }
     }
-}
-
-/// What a replica holds, per bucket, as counted for the assignment of `generation`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Report {
-    pub generation: u64,
-    pub counts: Counts,
-}
-
-impl Report {
-    /// `generation/bucket:count,bucket:count`: a few kilobytes for a thousand buckets.
-    pub fn encode(&self) -> String {
-        format!("{}/{}", self.generation, encode_counts(&self.counts))
-    }
-
-    pub fn decode(value: &str) -> Result<Self, String> {
-        let (generation, counts) = value.split_once('/').ok_or_else(|| format!("no generation in {value:?}"))?;
-        let generation = generation.parse().map_err(|e| format!("generation {generation:?}: {e}"))?;
-        Ok(Self { generation, counts: decode_counts(counts)? })
-    }
-}
-
-/// `bucket:count,bucket:count`, buckets in order, zero counts left out.
-pub fn encode_counts(counts: &Counts) -> String {
-    let entries: Vec<String> = counts.iter().filter(|(_, n)| **n > 0).map(|(b, n)| format!("{b}:{n}")).collect();
-    entries.join(",")
-}
-
-pub fn decode_counts(value: &str) -> Result<Counts, String> {
-    value
-        .split(',')
-        .filter(|entry| !entry.is_empty())
-        .map(|entry| {
-            let (bucket, count) = entry.split_once(':').ok_or_else(|| format!("bad entry {entry:?}"))?;
-            let bucket: Bucket = bucket.parse().map_err(|e| format!("bucket {bucket:?}: {e}"))?;
-            if bucket >= BUCKETS {
-                return Err(format!("bucket {bucket} out of range"));
-            }
-            Ok((bucket, count.parse().map_err(|e| format!("count {count:?}: {e}"))?))
-        })
-        .collect()
-}
-
-/// The ring's weights: each bucket's objects, scaled so that all empty buckets together
-/// weigh less than one object, plus one, so that empty buckets (where new namespaces appear)
-/// are still spread. Without counts, every bucket weighs the same.
-pub fn weights(counts: Option<&Counts>) -> Vec<u64> {
-    let count = |b: Bucket| counts.and_then(|c| c.get(&b)).map_or(0, |n| u64::from(*n));
-    (0..BUCKETS).map(|b| count(b) * u64::from(BUCKETS) + 1).collect()
 }
 
 /// The objects in every bucket of a settled `current`, from its owners' reports; `None`
@@ -215,17 +164,6 @@ mod tests {
             }
         }
         reports
-    }
-
-    #[test]
-    fn reports_round_trip_and_bad_ones_say_why() {
-        let report = Report { generation: 7, counts: Counts::from([(3, 10), (1023, 1)]) };
-        assert_eq!(report.encode(), "7/3:10,1023:1");
-        assert_eq!(Report::decode(&report.encode()).unwrap(), report);
-        assert_eq!(Report::decode("4/").unwrap(), Report { generation: 4, counts: Counts::new() });
-        assert!(Report::decode("3:10").unwrap_err().contains("no generation"));
-        assert!(Report::decode("1/1024:1").unwrap_err().contains("out of range"));
-        assert!(Report::decode("1/5").unwrap_err().contains("bad entry"));
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //!   leader) and on every child (by the reconcile), so that each
 //!   replica's watches ask the API server for its own buckets only. `xxh3` is specified and
 //!   stable across Rust releases, unlike std's `DefaultHasher`.
-//! - **shard selector**: the bucket is a range of the API server's own namespace hash, and
-//!   watches ask for the ranges (see [`super::shard_range`]); nothing is labelled.
+//! - **shard selector**: the bucket is the top bits of the API server's own namespace hash
+//!   (64-bit FNV-1a), so each bucket is a range of it, and watches ask for the ranges (see
+//!   [`super::shard_range`]); nothing is labelled.
 //!
 //! Changing `BUCKETS` or a mode's hash re-shards every object: they are part of the
 //! on-cluster format.
@@ -42,7 +43,7 @@ impl Mode {
     pub fn bucket_of(self, namespace: &str) -> Bucket {
         match self {
             Mode::Labels => bucket_of(namespace),
-            Mode::ShardSelector => super::shard_range::bucket_of(namespace),
+            Mode::ShardSelector => server_bucket_of(namespace),
         }
     }
 
@@ -61,6 +62,21 @@ impl Mode {
 /// The label mode's bucket.
 pub fn bucket_of(namespace: &str) -> Bucket {
     (xxh3_64(namespace.as_bytes()) % u64::from(BUCKETS)) as Bucket
+}
+
+/// How far the server's hash is shifted to give a shard-selector bucket: 64 bits minus
+/// log2(BUCKETS).
+pub const HASH_SHIFT: u32 = 64 - BUCKETS.trailing_zeros();
+const _: () = assert!(BUCKETS.is_power_of_two(), "a bucket must be a whole hash range");
+
+/// FNV-1a, 64 bits, as `k8s.io/apimachinery/pkg/sharding` computes it (Go's `hash/fnv`).
+pub fn fnv1a_64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The shard-selector mode's bucket: the top bits of the server's hash of the namespace.
+fn server_bucket_of(namespace: &str) -> Bucket {
+    (fnv1a_64(namespace.as_bytes()) >> HASH_SHIFT) as Bucket
 }
 
 /// The label value for a bucket.
@@ -141,6 +157,35 @@ mod tests {
             assert_eq!(Mode::parse(mode.as_str()), Some(mode));
         }
         assert_eq!(Mode::parse("bogus"), None);
+    }
+
+    #[test]
+    fn the_hash_is_go_fnv1a_64() {
+        // Values of Go's hash/fnv New64a, as the API server computes them.
+        assert_eq!(fnv1a_64(b""), 0xcbf29ce484222325);
+        assert_eq!(fnv1a_64(b"a"), 0xaf63dc4c8601ec8c);
+        assert_eq!(fnv1a_64(b"b"), 0xaf63df4c8601f1a5);
+        assert_eq!(server_bucket_of("a"), 0xaf63dc4c8601ec8c_u64.wrapping_shr(54) as Bucket);
+        assert_eq!(server_bucket_of("a"), 701);
+    }
+
+    #[test]
+    fn a_namespace_is_in_its_buckets_range() {
+        for i in 0..2_000 {
+            let ns = format!("team-{i}");
+            let (hash, b) = (fnv1a_64(ns.as_bytes()), u64::from(server_bucket_of(&ns)));
+            assert!((b << HASH_SHIFT..(b + 1) << HASH_SHIFT).contains(&hash) || (b == 1023 && hash >= b << HASH_SHIFT));
+        }
+    }
+
+    /// A limit of the server's hash, pinned so that docs/sharding.md stays true: FNV-1a mixes
+    /// a name's last byte into the low bits only, so names that differ only at the end fall
+    /// into a few buckets; two more bytes after the varying part spread them.
+    #[test]
+    fn names_that_differ_only_at_the_end_share_few_buckets() {
+        let distinct = |names: Vec<String>| names.iter().map(|n| server_bucket_of(n)).collect::<BTreeSet<_>>().len();
+        assert!(distinct((0..200).map(|i| format!("ns-{i}")).collect()) <= 8);
+        assert!(distinct((0..200).map(|i| format!("ns-{i}-x")).collect()) >= 150);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::balance::Report;
+use super::counts::Report;
 
 /// A process's identity: its pod name and a nonce of its own.
 pub fn incarnation(pod: &str, nonce: &str) -> String {

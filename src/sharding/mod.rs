@@ -2,6 +2,7 @@
 //! - [`bucket`]: namespace → bucket in either mode, and the label and selectors that carry it;
 //! - [`shard_range`]: buckets as hash ranges for the API server's shard selector;
 //! - [`ring`]: buckets → members by consistent hashing with bounded loads;
+//! - [`counts`]: objects per bucket, as replicas report them and the ring weighs them;
 //! - [`balance`]: when to balance slices by their objects rather than their buckets;
 //! - [`membership`]: incarnations, and which members are alive, from locally observed
 //!   lease renewals;
@@ -15,6 +16,7 @@
 pub mod assignment;
 pub mod balance;
 pub mod bucket;
+pub mod counts;
 pub mod membership;
 pub mod ring;
 pub mod shard_range;

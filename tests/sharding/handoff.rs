@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
-use traffic_policy_operator::coordination::follower::record_published;
+use traffic_policy_operator::coordination::published::record_published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 

@@ -23,7 +23,7 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
-use traffic_policy_operator::runtime::watch::trim;
+use traffic_policy_operator::runtime::stored::trim;
 
 async fn reconcile(policy: Arc<ApplicationTrafficPolicy>, client: Arc<Client>) -> Result<Action, kube::Error> {
     loadtest::writes::converge(&client, &policy, "kube-rs-peer").await?;

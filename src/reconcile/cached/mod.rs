@@ -22,7 +22,7 @@ use crate::api::{
     Condition, EgressRule, IngressRule, IpBlock, Peer, PortRule, RateLimit, Time,
 };
 use crate::runtime::ObjectKey;
-use crate::runtime::cache::Stored;
+use crate::runtime::stored::Stored;
 use text::{CidrRange, Shared, Token};
 
 /// A policy as the cache keeps it: about 620 bytes with its key, against 1,300 for the
