@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use kube::Client;
 use serde_json::json;
 
-use crate::run::{Args, Replica, Watched, start_replica};
+use crate::args::Args;
+use crate::replicas::{Replica, Watched, start_replica};
 use crate::sample::{self, label};
 
 /// Child applies and status writes the API server has counted so far.

@@ -17,7 +17,7 @@ use traffic_policy_operator::sharding::assignment::{Assignment, Slot, desired};
 use traffic_policy_operator::sharding::balance::{self, Balance};
 use traffic_policy_operator::sharding::counts::Counts;
 
-use crate::run::Args;
+use crate::args::Args;
 
 /// The target of docs/benchmarks.md: the largest replica holds at most this × the mean.
 pub const TARGET: f64 = 1.1;

@@ -19,10 +19,12 @@ use serde_json::json;
 use tokio_util::task::AbortOnDropHandle;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 
-use crate::run::{self, Args, Tracker};
-
-/// The label on every namespace and policy a run creates; its value is the run's id.
-pub const RUN_LABEL: &str = "trafficpolicy.dev/loadtest";
+use crate::args::{Args, Mode};
+use crate::interrupt::Interrupted;
+use crate::workload::{
+    RUN_LABEL, Tracker, create_all, edit_during_backlog, edit_percentiles, latency_percentiles, progress, track,
+    wait_pending,
+};
 
 /// Thresholds a run must meet (`--slo FILE`, YAML); each is optional.
 #[derive(Debug, Default, Deserialize)]
@@ -67,7 +69,7 @@ impl Slo {
 }
 
 pub async fn run(mut args: Args, interrupt: &mut tokio::signal::unix::Signal) -> anyhow::Result<serde_json::Value> {
-    anyhow::ensure!(args.mode == run::Mode::Operator, "--kubeconfig measures the operator that runs there: no --mode");
+    anyhow::ensure!(args.mode == Mode::Operator, "--kubeconfig measures the operator that runs there: no --mode");
     anyhow::ensure!(
         args.kill_after.is_none() && !args.at_rest && args.replicas == 1,
         "--kubeconfig starts and stops nothing: --kill-after, --at-rest and --replicas do not apply"
@@ -89,7 +91,7 @@ pub async fn run(mut args: Args, interrupt: &mut tokio::signal::unix::Signal) ->
     );
     let outcome = tokio::select! {
         result = drive(&client, &args, &id) => result,
-        _ = interrupt.recv() => Err(crate::run::Interrupted.into()),
+        _ = interrupt.recv() => Err(Interrupted.into()),
     };
     let cleaned = clean_up(&client, &id).await;
     let result = outcome?;
@@ -111,11 +113,8 @@ async fn drive(client: &Client, args: &Args, id: &str) -> anyhow::Result<serde_j
         namespaces.create(&PostParams::default(), &ns).await.context("creating the run's namespaces")?;
     }
     let tracker = Arc::new(Mutex::new(Tracker::default()));
-    let watch = AbortOnDropHandle::new(tokio::spawn(run::track(
-        client.clone(),
-        tracker.clone(),
-        Some(format!("{RUN_LABEL}={id}")),
-    )));
+    let watch =
+        AbortOnDropHandle::new(tokio::spawn(track(client.clone(), tracker.clone(), Some(format!("{RUN_LABEL}={id}")))));
     let depth = Arc::new(Mutex::new(QueueDepth::default()));
     let sampler = AbortOnDropHandle::new(tokio::spawn(sample_queue_depth(
         client.clone(),
@@ -123,11 +122,11 @@ async fn drive(client: &Client, args: &Args, id: &str) -> anyhow::Result<serde_j
         depth.clone(),
     )));
     let started = Instant::now();
-    let progress = AbortOnDropHandle::new(run::progress(args.objects, tracker.clone())?);
-    run::create_all(client, args, &tracker).await?;
+    let progress = AbortOnDropHandle::new(progress(args.objects, tracker.clone())?);
+    create_all(client, args, &tracker).await?;
     let creation_seconds = started.elapsed().as_secs_f64();
-    let edit_latencies = run::edit_during_backlog(client, args, &tracker).await?;
-    let converged_in_time = run::wait_pending(&tracker, args).await;
+    let edit_latencies = edit_during_backlog(client, args, &tracker).await?;
+    let converged_in_time = wait_pending(&tracker, args).await;
     let convergence_seconds = started.elapsed().as_secs_f64();
     progress.abort();
     sampler.abort();
@@ -151,8 +150,8 @@ async fn drive(client: &Client, args: &Args, id: &str) -> anyhow::Result<serde_j
         "creation_seconds": creation_seconds,
         "convergence_seconds": convergence_seconds,
         "throughput_per_second": args.objects as f64 / convergence_seconds,
-        "latency_ms": run::latency_percentiles(&tracker.latencies_ms),
-        "edit_latency_ms": run::edit_percentiles(edit_latencies),
+        "latency_ms": latency_percentiles(&tracker.latencies_ms),
+        "edit_latency_ms": edit_percentiles(edit_latencies),
         "max_queue_depth": depth.max,
         "queue_depth_by_pod": depth.by_pod,
     });

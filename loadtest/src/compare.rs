@@ -14,7 +14,9 @@ use std::path::PathBuf;
 
 use serde_json::{Value, json};
 
-use crate::run::{self, Mode, Sharding};
+use crate::args::{self, Mode, Sharding};
+use crate::interrupt::{Interrupted, interrupts};
+use crate::run;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -59,12 +61,12 @@ struct Ran {
     result: Result<Value, String>,
 }
 
-fn run_args(args: &Args, (label, mode, replicas, sharding): Planned, round: u16) -> run::Args {
+fn run_args(args: &Args, (label, mode, replicas, sharding): Planned, round: u16) -> args::Args {
     let name = match args.rounds {
         1 => label.replace(' ', "-"),
         _ => format!("{}-round-{}", label.replace(' ', "-"), round + 1),
     };
-    run::Args {
+    args::Args {
         objects: args.objects,
         sharding,
         namespaces: args.namespaces,
@@ -125,7 +127,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut ran: Vec<Ran> = Vec::new();
-    let mut interrupt = run::interrupts()?;
+    let mut interrupt = interrupts()?;
     'rounds: for round in 0..args.rounds {
         // Rotated each round, so that a different run comes first (on a control plane that
         // has just started, and on whatever the machine was doing before).
@@ -141,7 +143,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 rounds => eprintln!("== {label} (round {} of {rounds})", round + 1),
             }
             let result = run::run_until_interrupted(run_args(&args, planned, round), &mut interrupt).await;
-            let interrupted = result.as_ref().is_err_and(|e| e.downcast_ref::<run::Interrupted>().is_some());
+            let interrupted = result.as_ref().is_err_and(|e| e.downcast_ref::<Interrupted>().is_some());
             let result = result.map_err(|e| format!("{e:#}"));
             match &result {
                 Ok(result) => eprint!("{}", run::summary(result)),

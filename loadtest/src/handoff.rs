@@ -20,8 +20,10 @@ use traffic_policy_operator::coordination::published::record_published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
 
-use crate::run::{Args, OPERATOR_NAMESPACE, Replica, Tracker, Watched, edit_and_wait, edit_percentiles, start_replica};
+use crate::args::{Args, OPERATOR_NAMESPACE};
+use crate::replicas::{Replica, Watched, start_replica};
 use crate::sample::{self, label};
+use crate::workload::{Tracker, edit_and_wait, edit_percentiles};
 
 /// The target of docs/benchmarks.md for an edit made during a handoff.
 const EDIT_P99_TARGET_MS: f64 = 1000.0;

@@ -1,6 +1,7 @@
 //! `cargo run --release -p loadtest -- <benchmark>`: benchmarks of traffic-policy-operator
 //! on the real local control plane. Results go to stdout as a table and to a JSON file.
 
+mod args;
 mod at_rest;
 mod balance;
 mod cache_bytes;
@@ -10,10 +11,13 @@ mod compare;
 mod deploy;
 mod fencing_cost;
 mod handoff;
+mod interrupt;
 mod ownership_cost;
+mod replicas;
 mod run;
 mod sample;
 mod server_load;
+mod workload;
 
 use clap::{Parser, Subcommand};
 
@@ -37,7 +41,7 @@ enum Benchmark {
     /// The per-reconcile cost of the sharding layer's ownership checks.
     OwnershipCost(ownership_cost::Args),
     /// Create policies and measure convergence by the operator (or the API write floor).
-    Run(Box<run::Args>),
+    Run(Box<args::Args>),
     /// The write floor, the operator and its peers on the same policies, with the ratios.
     Compare(compare::Args),
 }
@@ -57,7 +61,7 @@ async fn main() {
     }
 }
 
-async fn run_and_report(args: run::Args) -> anyhow::Result<()> {
+async fn run_and_report(args: args::Args) -> anyhow::Result<()> {
     let out = args.out.clone();
     // A bad SLO file fails before any object is created.
     let slo = args.slo.as_deref().map(cluster::Slo::read).transpose()?;

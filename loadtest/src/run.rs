@@ -5,10 +5,6 @@
 //! its latest generation. Everything it creates lives in its own control plane, which is
 //! torn down at the end, also on Ctrl-C.
 
-mod replicas;
-mod workload;
-
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -18,182 +14,17 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use serde_json::json;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::args::{Args, Mode, OPERATOR_NAMESPACE, Sharding};
+use crate::interrupt::{Interrupted, interrupts};
+use crate::replicas::{Watched, controller_runtime_peer, sample_loop, start_peer, start_replicas};
 use crate::sample::{self, Sample};
-pub use replicas::{Replica, Watched, start_replica};
-use replicas::{controller_runtime_peer, sample_loop, start_peer, start_replicas};
-pub use workload::{
-    Tracker, create_all, edit_and_wait, edit_during_backlog, edit_percentiles, latency_percentiles, progress, track,
-    wait_pending,
+use crate::workload::{
+    Tracker, create_all, delete_all, edit_during_backlog, edit_percentiles, latency_percentiles, progress, track,
+    update_some, wait_converged,
 };
-use workload::{delete_all, update_some, wait_converged};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    /// The operator converges the policies.
-    Operator,
-    /// The tool makes the operator's writes itself (two applies, a status patch and an event per policy).
-    Floor,
-    /// The same reconcile on controller-runtime (loadtest/peers/controller-runtime), one process.
-    ControllerRuntime,
-    /// The same reconcile on a plain kube-rs `Controller` (the `kube-rs-peer` binary), one process.
-    KubeRs,
-    /// The same reconcile on kube-runtime's `Controller` with the operator's trimming, generation
-    /// predicate and metadata-only child watches (`kube-rs-peer --trimmed`), one process.
-    KubeRsTrimmed,
-}
-
-/// How the operator's replicas select their slices (operator mode).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Sharding {
-    /// kube-apiserver runs with `ShardedListAndWatch`; the operator uses shard selectors.
-    ShardSelector,
-    /// kube-apiserver without the gate; the operator's leader labels every policy.
-    Labels,
-}
-
-impl Sharding {
-    /// The shard selector, unless `TPO_TEST_SHARDED_LIST_AND_WATCH=off` (as for the suites).
-    fn from_env() -> Self {
-        if controlplane::sharded_list_and_watch() { Sharding::ShardSelector } else { Sharding::Labels }
-    }
-
-    fn name(self) -> String {
-        self.to_possible_value().expect("plain variants").get_name().to_string()
-    }
-}
-
-#[derive(clap::Args, Clone)]
-pub struct Args {
-    #[arg(long, default_value_t = 1000)]
-    pub objects: usize,
-    /// The sharding mode of the local control plane and the operator.
-    #[arg(long, value_enum, default_value_t = Sharding::from_env())]
-    pub sharding: Sharding,
-    #[arg(long, default_value_t = 50)]
-    pub namespaces: usize,
-    /// Namespace sizes follow Zipf's law with this exponent (the i-th largest holds a share
-    /// proportional to 1/i^s) instead of being equal.
-    #[arg(long)]
-    pub zipf: Option<f64>,
-    #[arg(long, value_enum, default_value = "operator")]
-    pub mode: Mode,
-    /// Operator replicas (operator mode).
-    #[arg(long, default_value_t = 1)]
-    pub replicas: usize,
-    /// Workers per replica (operator mode).
-    #[arg(long, default_value_t = traffic_policy_operator::cli::DEFAULT_WORKERS)]
-    pub workers: u16,
-    /// Requests the tool keeps in flight while creating (and, in floor mode, writing).
-    #[arg(long, default_value_t = 64)]
-    pub concurrency: usize,
-    /// After everything converged, change this fraction of the specs and converge again.
-    #[arg(long, default_value_t = 0.0)]
-    pub update_fraction: f64,
-    /// Chaos: SIGKILL replica 0 this many seconds into the run, then start it again.
-    #[arg(long)]
-    pub kill_after: Option<f64>,
-    /// The operator binary (default: next to this one).
-    #[arg(long)]
-    pub operator_binary: Option<PathBuf>,
-    /// Create every policy before the controller starts, so it begins with a full backlog.
-    #[arg(long)]
-    pub preload: bool,
-    /// While the backlog is worked off, edit this many policies one at a time (100 ms apart)
-    /// and report their latency separately: real changes should not wait behind the backlog.
-    #[arg(long, default_value_t = 0)]
-    pub edits: usize,
-    /// After convergence (operator mode), count what the API server receives when nothing
-    /// changes: a forced resync of every policy, then a rolling restart of every replica.
-    /// Needs `--resync-seconds`.
-    #[arg(long, requires = "resync_seconds")]
-    pub at_rest: bool,
-    /// After convergence (operator mode), one more replica joins and leaves again while
-    /// single edits go on: the policies each handoff lists against those it moves, and the
-    /// edits' latency.
-    #[arg(long)]
-    pub handoff: bool,
-    /// The replicas' `--resync-period`, in seconds (default: the operator's).
-    #[arg(long)]
-    pub resync_seconds: Option<u64>,
-    /// At the end, delete every policy and wait until the watch has seen them all go.
-    #[arg(long)]
-    pub delete: bool,
-    /// After convergence (and balancing), leave the replicas idle this long, so that the
-    /// last memory sample (`final_rss_bytes`) is the RSS at rest rather than at the peak.
-    /// With --at-rest or --delete, the last sample is taken after those instead.
-    #[arg(long, default_value_t = 0)]
-    pub idle_seconds: u64,
-    /// Give up when not converged after this many seconds.
-    #[arg(long, default_value_t = 900)]
-    pub timeout_seconds: u64,
-    #[arg(long, default_value = "target/loadtest/run.json")]
-    pub out: PathBuf,
-    /// Aim at an existing cluster where the operator already runs, instead of starting a
-    /// local control plane: nothing there is started or stopped; the run's own namespaces
-    /// are deleted at the end.
-    #[arg(long)]
-    pub kubeconfig: Option<PathBuf>,
-    /// With --kubeconfig: the operator's namespace, whose pods' metrics give the queue depth.
-    #[arg(long, default_value = "traffic-policy-operator", requires = "kubeconfig")]
-    pub operator_namespace: String,
-    /// Thresholds (YAML: convergence_p99_seconds, max_errors, max_queue_depth); the run
-    /// exits non-zero when one is missed and prints which.
-    #[arg(long)]
-    pub slo: Option<PathBuf>,
-    /// Where the run's namespaces are: this prefix and a number.
-    #[arg(skip = String::from("load-"))]
-    pub namespace_prefix: String,
-    /// The run's id, as a label on its policies (with --kubeconfig).
-    #[arg(skip)]
-    pub run_label: Option<String>,
-}
-
-impl Args {
-    /// The name of namespace number `n`.
-    pub fn namespace_name(&self, n: usize) -> String {
-        // Not ending in the number: the shard selector's hash (FNV-1a) puts names that differ
-        // only in their last character in very few buckets (docs/sharding.md).
-        format!("{}{}-ns", self.namespace_prefix, n)
-    }
-
-    /// The namespace of policy number `i`.
-    pub fn namespace_of(&self, i: usize) -> String {
-        let n = match self.zipf {
-            None => i % self.namespaces,
-            Some(s) => zipf_rank(i, self.namespaces, s),
-        };
-        self.namespace_name(n)
-    }
-}
-
-/// The namespace of policy `i` when namespace `n` holds a share proportional to 1/(n+1)^s.
-/// Policies are dealt along a low-discrepancy sequence (multiples of the golden ratio), so
-/// consecutive policies land in different namespaces and every prefix of a run is Zipf too.
-fn zipf_rank(i: usize, namespaces: usize, s: f64) -> usize {
-    let weight = |n: usize| 1.0 / ((n + 1) as f64).powf(s);
-    let total: f64 = (0..namespaces).map(weight).sum();
-    let u = ((i as f64 + 0.5) * 0.618_033_988_749_895).fract() * total;
-    let mut cumulative = 0.0;
-    for n in 0..namespaces {
-        cumulative += weight(n);
-        if u < cumulative {
-            return n;
-        }
-    }
-    namespaces - 1
-}
-
-/// Where the replicas keep their Leases and the assignment.
-pub const OPERATOR_NAMESPACE: &str = "tpo-system";
 
 pub async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
     run_until_interrupted(args, &mut interrupts()?).await
-}
-
-/// Ctrl-C, from the moment this is called: `compare` listens once for all its runs, so that a
-/// Ctrl-C between two runs (or while a peer is built) stops it too.
-pub fn interrupts() -> std::io::Result<tokio::signal::unix::Signal> {
-    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
 }
 
 /// A run that stops, after cleaning up, on the first Ctrl-C `interrupt` sees; one seen before
@@ -229,18 +60,6 @@ pub async fn run_until_interrupted(
     tokio::task::spawn_blocking(move || drop(cp)).await?;
     outcome
 }
-
-/// A run stopped by Ctrl-C (after cleaning up): `compare` stops there too.
-#[derive(Debug)]
-pub struct Interrupted;
-
-impl std::fmt::Display for Interrupted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("interrupted; what the run made was cleaned up")
-    }
-}
-
-impl std::error::Error for Interrupted {}
 
 async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<serde_json::Value> {
     let client = cp.client().await?;

@@ -14,7 +14,11 @@ use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::FIELD_MANAGER;
 
-use super::{Args, Mode, Replica, Watched, start_replica};
+use crate::args::{Args, Mode};
+use crate::replicas::{Replica, Watched, start_replica};
+
+/// The label on every namespace and policy a run creates; its value is the run's id.
+pub const RUN_LABEL: &str = "trafficpolicy.dev/loadtest";
 
 /// Per policy: when its latest generation was sent, and when that generation was Ready.
 #[derive(Default)]
@@ -95,7 +99,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTrafficPolicy> {
     let labels: std::collections::BTreeMap<&str, &str> =
-        args.run_label.iter().map(|id| (crate::cluster::RUN_LABEL, id.as_str())).collect();
+        args.run_label.iter().map(|id| (RUN_LABEL, id.as_str())).collect();
     Ok(serde_json::from_value(json!({
         "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
         "metadata": { "name": format!("app-{i}"), "namespace": args.namespace_of(i), "labels": labels },

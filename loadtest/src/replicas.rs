@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
 
-use super::{Args, Mode, OPERATOR_NAMESPACE};
+use crate::args::{Args, Mode, OPERATOR_NAMESPACE};
 use crate::sample::{self, Sample};
 
 /// (replica name, PID, metrics port) of each running replica, for the sampler.
