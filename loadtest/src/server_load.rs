@@ -1,8 +1,9 @@
 //! What a run cost the control plane, from creation to convergence: the CPU-seconds of
 //! kube-apiserver, etcd and (when it runs) kube-controller-manager, from /proc; and what
-//! kube-apiserver counted on its /metrics: requests by verb and resource, and the watch
-//! events it sent by kind. Set against the floor, which makes the same writes, it shows
-//! where an operator's extra time goes.
+//! kube-apiserver counted on its /metrics: requests by verb and resource, its requests to
+//! etcd by operation and kind, and the watch events it sent by kind; and what etcd counted:
+//! its gRPC calls by method and the bytes they carried. Set against the floor, which makes
+//! the same writes, it shows where an operator's extra time goes.
 
 use std::collections::BTreeMap;
 
@@ -16,6 +17,8 @@ use crate::sample::{self, Labels, label};
 pub struct Snapshot {
     cpu_seconds: BTreeMap<String, f64>,
     requests: BTreeMap<String, f64>,
+    etcd_requests: BTreeMap<String, f64>,
+    etcd_calls: BTreeMap<String, f64>,
     watch_events: BTreeMap<String, f64>,
     watch_event_bytes: BTreeMap<String, f64>,
 }
@@ -34,6 +37,10 @@ pub async fn snapshot(cp: &controlplane::ControlPlane, client: &Client) -> anyho
         let Some((name, labels, value)) = sample::parse(line) else { continue };
         let into = match name {
             "apiserver_request_total" => Some((&mut snapshot.requests, requested(&labels))),
+            "etcd_requests_total" => Some((
+                &mut snapshot.etcd_requests,
+                format!("{} {}", label(&labels, "operation"), label(&labels, "type")),
+            )),
             "apiserver_watch_events_total" => Some((&mut snapshot.watch_events, watched(&labels))),
             "apiserver_watch_events_sizes_sum" => Some((&mut snapshot.watch_event_bytes, watched(&labels))),
             _ => None,
@@ -41,6 +48,17 @@ pub async fn snapshot(cp: &controlplane::ControlPlane, client: &Client) -> anyho
         if let Some((map, key)) = into {
             *map.entry(key).or_default() += value;
         }
+    }
+    // Absent when etcd is down (a run that restarts it): its figures are then left out.
+    for line in cp.etcd_metrics().unwrap_or_default().lines() {
+        let Some((name, labels, value)) = sample::parse(line) else { continue };
+        let key = match name {
+            "grpc_server_handled_total" => format!("{} {}", label(&labels, "grpc_method"), label(&labels, "grpc_code")),
+            "etcd_network_client_grpc_received_bytes_total" => "bytes received".to_string(),
+            "etcd_network_client_grpc_sent_bytes_total" => "bytes sent".to_string(),
+            _ => continue,
+        };
+        *snapshot.etcd_calls.entry(key).or_default() += value;
     }
     Ok(snapshot)
 }
@@ -59,6 +77,8 @@ pub fn report(before: &Snapshot, after: &Snapshot) -> serde_json::Value {
     let mut report = json!({
         "cpu_seconds": since("cpu_seconds", &after.cpu_seconds, &before.cpu_seconds),
         "requests": since("requests", &after.requests, &before.requests),
+        "etcd_requests": since("etcd_requests", &after.etcd_requests, &before.etcd_requests),
+        "etcd_calls": since("etcd_calls", &after.etcd_calls, &before.etcd_calls),
         "watch_events": since("watch_events", &after.watch_events, &before.watch_events),
         "watch_event_bytes": since("watch_event_bytes", &after.watch_event_bytes, &before.watch_event_bytes),
     });
@@ -68,7 +88,7 @@ pub fn report(before: &Snapshot, after: &Snapshot) -> serde_json::Value {
     report
 }
 
-/// Two lines: the control plane's CPU, and the watch events it sent.
+/// The control plane's CPU, the watch events it sent, and the calls to etcd.
 pub fn summary(report: &serde_json::Value) -> String {
     let entries = |field: &str| -> Vec<(String, f64)> {
         report[field]
@@ -96,6 +116,22 @@ pub fn summary(report: &serde_json::Value) -> String {
         "  control plane until convergence: CPU-s {}; {requests:.0} requests; watch events sent {total:.0}, most: {}\n",
         cpu.join(", "),
         if events.is_empty() { "none".to_string() } else { events.join(", ") },
+    );
+    // By etcd method and by kube-apiserver's operation, summed over codes and kinds.
+    let by_first_word = |field: &str| -> String {
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        for (key, n) in entries(field).into_iter().filter(|(k, _)| !k.starts_with("bytes")) {
+            *sums.entry(key.split(' ').next().unwrap_or_default().to_string()).or_default() += n;
+        }
+        sums.iter().map(|(k, n)| format!("{k} {n:.0}")).collect::<Vec<_>>().join(", ")
+    };
+    let etcd_bytes = |key: &str| entries("etcd_calls").iter().find(|(k, _)| k == key).map_or(0.0, |(_, v)| *v);
+    summary += &format!(
+        "  etcd: calls {}; {:.1} MiB received, {:.1} MiB sent; kube-apiserver's requests to it: {}\n",
+        by_first_word("etcd_calls"),
+        etcd_bytes("bytes received") / 1048576.0,
+        etcd_bytes("bytes sent") / 1048576.0,
+        by_first_word("etcd_requests"),
     );
     if let Some(down) = report["went_down"].as_array() {
         summary += &format!("  (counters went down, so these figures are short: {} of them)\n", down.len());
@@ -160,16 +196,25 @@ mod tests {
         let mut before = Snapshot::default();
         before.requests.insert("APPLY configmaps".into(), 10.0);
         before.requests.insert("GET leases".into(), 5.0);
+        before.etcd_calls.insert("Range OK".into(), 100.0);
+        before.etcd_requests.insert("get /registry/configmaps".into(), 10.0);
         let mut after = before.clone();
         *after.requests.get_mut("APPLY configmaps").unwrap() += 7.0;
+        *after.etcd_calls.get_mut("Range OK").unwrap() += 3.0;
+        after.etcd_calls.insert("Range NotFound".into(), 1.0);
+        after.etcd_calls.insert("bytes sent".into(), 2097152.0);
+        *after.etcd_requests.get_mut("get /registry/configmaps").unwrap() += 5.0;
         let report = report(&before, &after);
         assert_eq!(report["requests"], json!({ "APPLY configmaps": 7.0 }));
-        assert!(summary(&report).contains("7 requests"));
+        let text = summary(&report);
+        assert!(text.contains("7 requests"));
+        assert!(text.contains("etcd: calls Range 4; 0.0 MiB received, 2.0 MiB sent"), "{text}");
+        assert!(text.contains("requests to it: get 5"), "{text}");
         assert!(report.get("went_down").is_none());
 
         // After a restart: one counter lower, one not counted again yet.
-        let mut restarted = Snapshot::default();
-        restarted.requests.insert("APPLY configmaps".into(), 2.0);
+        let mut restarted = after.clone();
+        restarted.requests = BTreeMap::from([("APPLY configmaps".into(), 2.0)]);
         let report = super::report(&after, &restarted);
         assert_eq!(report["went_down"], json!(["requests APPLY configmaps", "requests GET leases"]));
         assert!(summary(&report).contains("counters went down"));

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use controlplane::manifests;
 use controlplane::process::Process;
 use controlplane::{ControlPlane, Grant};
 use k8s_openapi::api::core::v1::Namespace;
@@ -14,7 +15,6 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use serde::Deserialize;
 use tokio::sync::OnceCell;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 use traffic_policy_operator::sharding::bucket::Mode;
@@ -130,12 +130,8 @@ async fn install_once(cp: &'static ControlPlane) {
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
             // The admission policies of deploy/'s components: fencing, and bucket labels.
             for component in ["fencing/fencing.yaml", "bucket-labels/bucket-labels.yaml"] {
-                let path = Path::new(REPO).join("deploy/components").join(component);
-                let text = std::fs::read_to_string(path).unwrap();
-                for document in serde_yaml::Deserializer::from_str(&text) {
-                    let object = serde_yaml::Value::deserialize(document).unwrap();
-                    apply_dynamic(&client, &object).await;
-                }
+                let objects = manifests::read(&Path::new(REPO).join("deploy/components").join(component)).unwrap();
+                manifests::apply(&client, &objects, "e2e-tests").await.unwrap();
             }
             // deploy/base/flowschema.yaml, for every service account: each test runs its operators
             // under accounts of its own.
@@ -170,31 +166,15 @@ async fn install_once(cp: &'static ControlPlane) {
             // The bucket-label policy refuses writes of policies (503) until the API server has
             // loaded the CRD's schema for admission: a dry-run create tells when it has.
             let probe = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), "default");
-            let dry_run = PostParams { dry_run: true, ..Default::default() };
-            eventually("the API server admits policies", || async {
-                let policy: ApplicationTrafficPolicy = serde_json::from_value(serde_json::json!({
-                    "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
-                    "metadata": { "name": "admission-probe" },
-                    "spec": { "applicationSelector": { "matchLabels": { "app": "probe" } } }
-                }))
-                .unwrap();
-                probe.create(&dry_run, &policy).await.ok().map(|_| ())
-            })
-            .await;
+            let policy: ApplicationTrafficPolicy = serde_json::from_value(serde_json::json!({
+                "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+                "metadata": { "name": "admission-probe" },
+                "spec": { "applicationSelector": { "matchLabels": { "app": "probe" } } }
+            }))
+            .unwrap();
+            manifests::wait_admitted(&probe, &policy, DEADLINE).await.unwrap();
         })
         .await;
-}
-
-/// Server-side applies one cluster-scoped object of any kind.
-async fn apply_dynamic(client: &Client, object: &serde_yaml::Value) {
-    let object: kube::api::DynamicObject = serde_yaml::from_value(object.clone()).unwrap();
-    let types = object.types.clone().expect("apiVersion and kind");
-    let (group, version) = types.api_version.split_once('/').unwrap_or(("", &types.api_version));
-    let gvk = kube::api::GroupVersionKind::gvk(group, version, &types.kind);
-    let resource = kube::api::ApiResource::from_gvk(&gvk);
-    let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), &resource);
-    let apply = PatchParams::apply("e2e-tests").force();
-    api.patch(&object.name_any(), &apply, &Patch::Apply(&object)).await.unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// The bucket-label component's grant to label namespaces.

@@ -15,6 +15,7 @@
 
 mod certs;
 mod identity;
+pub mod manifests;
 mod ports;
 pub mod process;
 pub mod proxy;
@@ -202,6 +203,11 @@ impl ControlPlane {
     }
 
     /// The directory holding certificates, data and logs.
+    /// etcd's own /metrics (its client port serves them in plain HTTP).
+    pub fn etcd_metrics(&self) -> Result<String> {
+        http_get_plain(self.ports.etcd_client, "/metrics")
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
