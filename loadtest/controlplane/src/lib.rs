@@ -202,12 +202,12 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// The directory holding certificates, data and logs.
     /// etcd's own /metrics (its client port serves them in plain HTTP).
     pub fn etcd_metrics(&self) -> Result<String> {
         http_get_plain(self.ports.etcd_client, "/metrics")
     }
 
+    /// The directory holding certificates, data and logs.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
