@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 
 use controlplane::ControlPlane;
-use controlplane::proxy::DelayingProxy;
+use controlplane::proxy::HoldingProxy;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::ResourceExt;
@@ -190,8 +190,8 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let mut fleet = Fleet::new("fence", 12).await;
     fleet.start("r-1").await;
     fleet.start("r-2").await;
-    // r-0 reaches the API server through a proxy that can delay its requests.
-    let proxy = DelayingProxy::start(fleet.env.cp.server_url().rsplit(':').next().unwrap().parse().unwrap()).unwrap();
+    // r-0 reaches the API server through a proxy that can hold its requests.
+    let proxy = HoldingProxy::start(fleet.env.cp.server_url().rsplit(':').next().unwrap().parse().unwrap()).unwrap();
     let mut slow = fleet.spawn("r-0", Some(proxy.port())).await;
     slow.wait_ready().await;
     fleet.replicas.insert("r-0".into(), slow);
@@ -214,7 +214,7 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let client = fleet.client();
 
     // r-0's watches restart on every change of its slice, and a watch request sent once the
-    // delay is on would wait with the rest. So first see an edit reach r-0 through its watch,
+    // hold is on would wait with the rest. So first see an edit reach r-0 through its watch,
     // and r-0 finish with it (its status write, delayed, would stall r-0 on the old spec):
     // two edits in a row, the second made once r-0 has written the first, and no change of
     // r-0's slice meanwhile. The relist that brought the first ended before r-0 wrote it.
@@ -242,11 +242,18 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
         assert!(attempts < 5, "r-0's slice kept changing; its watch never settled");
     }
 
-    // r-0's write of the next spec is delayed on its way, past r-0's lease and a handoff
-    // (its renewals are delayed too, so its slice is revoked and given to another replica).
+    // r-0's write of the next spec is held on its way, past r-0's lease and a handoff (its
+    // renewals are held too, so its slice is revoked and given to another replica). Held,
+    // not delayed by a fixed time: a handoff slower than the delay would let the write land
+    // before it, accepted.
     let fenced_before = fleet.verdict().fenced;
-    proxy.set_delay(std::time::Duration::from_secs(12));
+    proxy.hold();
+    let held_since = fleet::now_ns();
     let stale = set_rate(&client, &namespace, "app-0").await.unwrap();
+    until("r-0 sent its write of the spec change into the hold", || {
+        fleet.audit().iter().any(|e| e.t > held_since && e.replica == "r-0" && e.event == "write" && e.object == child)
+    })
+    .await;
     let newer = eventually("a new owner applied the spec r-0's write carries, then a newer one", || async {
         let cm = fleet.env_api_configmap(&namespace, "app-0").await?;
         (rate_of(&cm)? == stale).then_some(())?;
@@ -256,7 +263,7 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     until("the new owner applied the newer spec", || fleet.forward.last(&child) == Some(newer)).await;
 
     // When the late write arrives, the API server must refuse it, and keep the newer state.
-    proxy.set_delay(std::time::Duration::ZERO);
+    proxy.release();
     eventually("the late write reached the API server and was fenced", || async {
         (fleet.verdict().fenced > fenced_before).then_some(())
     })
@@ -267,7 +274,7 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     let slow_users = fleet.users["r-0"].clone();
     let verdict = fleet.finish().await;
     println!(
-        "sharding summary: late write delayed past a handoff: {} writes seen by the server, {} overlapping, \
+        "sharding summary: late write held past a handoff: {} writes seen by the server, {} overlapping, \
          {} fenced late writes",
         verdict.writes,
         verdict.overlapping.len(),
