@@ -215,7 +215,7 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
 
     // r-0's watches restart on every change of its slice, and a watch request sent once the
     // hold is on would wait with the rest. So first see an edit reach r-0 through its watch,
-    // and r-0 finish with it (its status write, delayed, would stall r-0 on the old spec):
+    // and r-0 finish with it (its status write, held, would stall r-0 on the old spec):
     // two edits in a row, the second made once r-0 has written the first, and no change of
     // r-0's slice meanwhile. The relist that brought the first ended before r-0 wrote it.
     let r0_since = |kind: &'static str, since: u128| {
