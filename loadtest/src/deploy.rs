@@ -5,9 +5,7 @@ use std::time::Duration;
 
 use controlplane::manifests;
 use kube::Client;
-use kube::api::{Api, DynamicObject};
-use serde_json::json;
-use traffic_policy_operator::api::ApplicationTrafficPolicy;
+use kube::api::DynamicObject;
 
 pub use controlplane::manifests::api_for;
 
@@ -25,11 +23,5 @@ pub async fn apply(client: &Client, objects: &[DynamicObject]) -> anyhow::Result
 /// admits policies under it.
 pub async fn install_bucket_labels(client: &Client, namespace: &str) -> anyhow::Result<()> {
     apply(client, &objects("components/bucket-labels/bucket-labels.yaml")?).await?;
-    let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
-    let probe: ApplicationTrafficPolicy = serde_json::from_value(json!({
-        "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
-        "metadata": { "name": "admission-probe" },
-        "spec": { "applicationSelector": { "matchLabels": { "app": "probe" } } }
-    }))?;
-    manifests::wait_admitted(&api, &probe, Duration::from_secs(60)).await
+    manifests::wait_policies_admitted(client, namespace, Duration::from_secs(60)).await
 }

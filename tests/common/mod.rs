@@ -163,16 +163,7 @@ async fn install_once(cp: &'static ControlPlane) {
                 crd.status?.conditions?.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(())
             })
             .await;
-            // The bucket-label policy refuses writes of policies (503) until the API server has
-            // loaded the CRD's schema for admission: a dry-run create tells when it has.
-            let probe = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), "default");
-            let policy: ApplicationTrafficPolicy = serde_json::from_value(serde_json::json!({
-                "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
-                "metadata": { "name": "admission-probe" },
-                "spec": { "applicationSelector": { "matchLabels": { "app": "probe" } } }
-            }))
-            .unwrap();
-            manifests::wait_admitted(&probe, &policy, DEADLINE).await.unwrap();
+            manifests::wait_policies_admitted(&client, "default", DEADLINE).await.unwrap();
         })
         .await;
 }

@@ -1,16 +1,14 @@
 //! Objects of any kind from the repository's YAML files (deploy/'s components), applied as
 //! `kubectl apply --server-side` would, for the test harness and the load tool alike.
 
-use std::fmt::Debug;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kube::api::{Api, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, ResourceExt};
 use serde::Deserialize;
-use serde::de::DeserializeOwned;
 
 /// The objects of a multi-document YAML file.
 pub fn read(path: &Path) -> Result<Vec<DynamicObject>> {
@@ -41,17 +39,22 @@ pub async fn apply(client: &Client, objects: &[DynamicObject], manager: &str) ->
     Ok(())
 }
 
-/// Waits until the API server would create `probe` (a dry run, so nothing is stored): an
-/// admission policy refuses writes of a custom resource (503) until the server has loaded
-/// the resource's schema for it.
-pub async fn wait_admitted<K>(api: &Api<K>, probe: &K, limit: Duration) -> Result<()>
-where
-    K: Resource + Clone + Debug + serde::Serialize + DeserializeOwned,
-{
+/// Waits until the API server would create an ApplicationTrafficPolicy in `namespace` (a dry
+/// run, so nothing is stored): the bucket-label component's admission policy refuses writes
+/// of policies (503) until the server has loaded their schema for it.
+pub async fn wait_policies_admitted(client: &Client, namespace: &str, limit: Duration) -> Result<()> {
+    let kind = GroupVersionKind::gvk("trafficpolicy.dev", "v1", "ApplicationTrafficPolicy");
+    let resource = ApiResource::from_gvk_with_plural(&kind, "applicationtrafficpolicies");
+    let api = Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource);
+    let probe: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+        "metadata": { "name": "admission-probe" },
+        "spec": { "applicationSelector": { "matchLabels": { "app": "probe" } } }
+    }))?;
     let dry_run = PostParams { dry_run: true, ..Default::default() };
     let deadline = Instant::now() + limit;
     loop {
-        match api.create(&dry_run, probe).await {
+        match api.create(&dry_run, &probe).await {
             Ok(_) => return Ok(()),
             Err(error) => anyhow::ensure!(Instant::now() < deadline, "still refused after {limit:?}: {error}"),
         }
