@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use kube::CustomResourceExt;
 
+use crate::api::ApplicationTrafficPolicy;
 use crate::coordination::{ShardConfig, validate_timings};
 use crate::sharding::balance::Balance;
 use crate::telemetry::logging::LogFormat;
@@ -196,6 +198,7 @@ impl RunArgs {
             drain_timeout: self.drain_timeout,
             watch_namespace: self.watch_namespace.clone(),
             balance: Balance { min_excess: self.rebalance_min_objects, ..Balance::default() },
+            floor_object: ApplicationTrafficPolicy::crd_name().to_string(),
         })
     }
 }

@@ -15,8 +15,14 @@ pub enum Error {
     #[error("ownership of the object's bucket was lost")]
     LostOwnership,
     /// The fencing policy refused a write: a newer owner of the bucket has written since.
-    #[error("the write was fenced: a newer owner has written since")]
-    Fenced,
+    /// Carries what was refused and the server's message.
+    #[error("the write was fenced: {0}")]
+    Fenced(String),
+    /// A write was fenced while this replica still owned the object's bucket: the stored
+    /// token came from elsewhere (another install, a hand edit), and no write of ours can
+    /// beat it. Retried with backoff, so that it heals once the token is removed.
+    #[error("{0}")]
+    ForeignToken(String),
     /// The reconcile panicked; the panic was caught and the key is retried with backoff.
     #[error("reconcile panicked: {0}")]
     Panicked(String),
@@ -43,7 +49,8 @@ impl Error {
         match self {
             Self::InvalidSpec(_) => "invalid_spec",
             Self::LostOwnership => "lost_ownership",
-            Self::Fenced => "fenced",
+            Self::Fenced(_) => "fenced",
+            Self::ForeignToken(_) => "foreign_token",
             Self::Panicked(_) => "panic",
             Self::Timeout(_) => "timeout",
             Self::Kube(kube::Error::Api(status)) => match status.code {
@@ -60,11 +67,11 @@ impl Error {
 
     /// Terminal errors are not retried with backoff; the object waits for a new spec.
     pub fn is_terminal(&self) -> bool {
-        matches!(self, Self::InvalidSpec(_) | Self::LostOwnership | Self::Fenced)
+        matches!(self, Self::InvalidSpec(_) | Self::LostOwnership | Self::Fenced(_))
     }
 
     /// Terminal errors other than lost ownership still resync: the object stays ours.
     pub fn keeps_resync(&self) -> bool {
-        !matches!(self, Self::LostOwnership | Self::Fenced)
+        !matches!(self, Self::LostOwnership | Self::Fenced(_))
     }
 }

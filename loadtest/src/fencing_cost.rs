@@ -84,8 +84,11 @@ async fn write_round(client: &Client, writes: usize, epoch: &mut u64) -> anyhow:
     Ok(started.elapsed().as_secs_f64() * 1000.0 / writes as f64)
 }
 
+/// The fencing policy, with this tool's identity (the admin) as the operator's.
 fn fencing_objects() -> anyhow::Result<Vec<DynamicObject>> {
-    deploy::objects("components/fencing/fencing.yaml")
+    let mut objects = deploy::objects("components/fencing/fencing.yaml")?;
+    controlplane::manifests::set_policy_variable(&mut objects, "fromOperator", "request.userInfo.username == 'admin'");
+    Ok(objects)
 }
 
 /// Installs (or removes) the policy and its binding, and waits until writes see the change.

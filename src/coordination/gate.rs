@@ -84,6 +84,10 @@ impl WriteGate for ShardGate<'_> {
         }
     }
 
+    fn permitted(&self) -> bool {
+        self.in_flight.permit().is_some()
+    }
+
     fn write_bound(&self) -> Duration {
         self.in_flight.write_bound()
     }

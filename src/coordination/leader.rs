@@ -25,6 +25,7 @@ use kube_leader_election::{LeaseLock, LeaseLockParams, LeaseLockResult};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::epoch_floor::EpochFloor;
 use super::labeller::label_unlabeled_policies;
 use super::members::{Members, lease_state};
 use super::namespace_labels::label_namespaces;
@@ -49,6 +50,8 @@ pub struct Leader {
     ownership: Arc<Ownership>,
     members: Arc<Members>,
     view: Arc<AssignmentView>,
+    /// Where generations are reserved before they are published.
+    floor: EpochFloor,
     configmaps: Api<ConfigMap>,
     leases: Api<Lease>,
     /// When we first knew each revoking generation was written: its revocations' clock.
@@ -80,6 +83,7 @@ impl Leader {
         Self {
             lock: LeaseLock::new(client.clone(), &config.namespace, params),
             configmaps: Api::namespaced(client.clone(), &config.namespace),
+            floor: EpochFloor::new(client.clone(), &config.floor_object),
             leases: Api::namespaced(client, &config.namespace),
             labeller_client,
             config: config.clone(),
@@ -194,19 +198,28 @@ impl Leader {
             return None;
         }
         let mode = self.ownership.mode();
-        let (mut current, resource_version) = match self.view.get() {
-            Some(p) => (p.assignment, p.resource_version),
-            None => (Assignment::default(), None),
+        let (mut current, resource_version, republish) = match self.view.get() {
+            Some(p) => (p.assignment, p.resource_version, p.republish),
+            None => (Assignment { mode, ..Assignment::default() }, None, true),
         };
-        if resource_version.is_none() {
-            // Publishing anew (first start, or the ConfigMap was deleted): generations are
-            // fencing epochs and must never go back.
-            let floor = self.members.with(|t| t.highest_generation());
-            if current.generation < floor {
-                // A member saw a newer assignment than we did (or we never saw one): what it
-                // gave to whom is lost, and its owners may still be writing. Revoke everything.
-                current = Assignment::after_loss(floor + 1, mode);
+        // Generations are fencing epochs and must never go back. Published anew, an
+        // assignment starts above every generation any install reserved (`EpochFloor`).
+        if republish {
+            match self.floor.reserved().await {
+                Ok(reserved) => current.generation = current.generation.max(reserved),
+                Err(error) => {
+                    tracing::warn!(%error, "not publishing the assignment");
+                    return None;
+                }
             }
+        }
+        let seen = self.members.with(|t| t.highest_generation());
+        if current.generation < seen {
+            // A member saw a newer assignment than the ConfigMap holds (it was deleted, or an
+            // older copy restored, and we never saw the newer one): what it gave to whom is
+            // lost, and its owners may still be writing. Revoke everything. The write's
+            // precondition fails if the ConfigMap does hold a newer one that we have yet to see.
+            current = Assignment::after_loss(seen + 1, mode);
         }
         if current.mode != mode && current.generation > 0 {
             // Publish the revocation of everything first: the old mode's owners must read it,
@@ -240,9 +253,9 @@ impl Leader {
         let rebalanced = if leaving.is_none() { self.rebalance(&current, &receivers) } else { None };
         match plan(&current, &receivers, &release, rebalanced) {
             Some(next) => Some((next, resource_version)),
-            // The ConfigMap is gone: publish what we know again, under a new generation.
-            None if resource_version.is_none() && current.generation > 0 => {
-                Some((Assignment { generation: current.generation + 1, ..current }, None))
+            // The ConfigMap is gone or holds an older copy: publish what we know again, under a new generation.
+            None if republish && current.generation > 0 => {
+                Some((Assignment { generation: current.generation + 1, ..current }, resource_version))
             }
             None => None,
         }
@@ -330,6 +343,10 @@ impl Leader {
     /// Writes `next` if the ConfigMap is still at `resource_version` (creates it when
     /// `None`); true when written.
     async fn write(&self, next: &Assignment, resource_version: Option<String>) -> bool {
+        if let Err(error) = self.floor.reserve(next.generation).await {
+            tracing::warn!(%error, generation = next.generation, "not publishing the assignment");
+            return false;
+        }
         let cm = ConfigMap {
             metadata: ObjectMeta {
                 name: Some(ASSIGNMENT_CONFIGMAP.into()),
@@ -344,10 +361,18 @@ impl Leader {
             Some(_) => self.configmaps.replace(ASSIGNMENT_CONFIGMAP, &PostParams::default(), &cm).await,
             None => self.configmaps.create(&PostParams::default(), &cm).await,
         };
+        let overwrote_copy = self.view.get().is_some_and(|p| p.republish) && resource_version.is_some();
         match written {
             Ok(written) => {
                 tracing::info!(generation = next.generation, "published assignment");
-                self.known_since.lock().unwrap_or_else(|p| p.into_inner()).insert(next.generation, Instant::now());
+                let mut known = self.known_since.lock().unwrap_or_else(|p| p.into_inner());
+                if overwrote_copy {
+                    // While the older copy was stored, a member could read it and miss a
+                    // revocation: every revocation's clock starts again from this write.
+                    known.values_mut().for_each(|since| *since = Instant::now());
+                }
+                known.insert(next.generation, Instant::now());
+                drop(known);
                 self.view.offer(next.clone(), written.resource_version());
                 true
             }

@@ -5,6 +5,7 @@
 //! - [`leader`]: leader election, and the leader's duties: publishing the assignment and,
 //!   in label mode, bucket labels ([`namespace_labels`] on namespaces, for the
 //!   admission policy of deploy/components/bucket-labels; [`labeller`] on each policy that came without one);
+//! - [`epoch_floor`]: generations reserved on the CRD, so that epochs never restart;
 //! - [`published`]: the newest published assignment this replica has read;
 //! - [`follower`]: applying the published assignment to this replica (re-target the
 //!   watches at once, drain what was lost, acknowledge);
@@ -16,6 +17,7 @@
 //!
 //! docs/sharding.md describes the protocol and why no two replicas write one object at once.
 
+pub mod epoch_floor;
 pub mod follower;
 pub mod gate;
 pub mod labeller;
@@ -62,6 +64,8 @@ pub struct ShardConfig {
     pub watch_namespace: Option<String>,
     /// When the leader balances slices by their policies.
     pub balance: Balance,
+    /// The cluster-scoped object (our CRD) that keeps the generation floor.
+    pub floor_object: String,
 }
 
 impl ShardConfig {

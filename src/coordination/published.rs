@@ -17,8 +17,13 @@ use crate::sharding::assignment::Assignment;
 #[derive(Clone, Debug)]
 pub struct Published {
     pub assignment: Assignment,
-    /// `None` once the ConfigMap was seen deleted: the next write creates it.
+    /// The ConfigMap's resourceVersion, the precondition of the next write; `None` once the
+    /// ConfigMap was seen deleted: the next write creates it.
     pub resource_version: Option<String>,
+    /// The ConfigMap does not hold this assignment: it was deleted, or an older copy was
+    /// restored over it (a backup, a GitOps tool). The leader publishes it again, above
+    /// every generation seen, before anything else moves.
+    pub republish: bool,
 }
 
 /// The newest assignment, shared by the follower and the lease (which read it) and the
@@ -43,17 +48,37 @@ impl AssignmentView {
         self.current.borrow().as_ref().filter(|p| p.assignment.generation > generation).cloned()
     }
 
-    /// Keeps the newer of what we have and `assignment`.
+    /// Keeps the newer of what we have and `assignment`, read from the ConfigMap at
+    /// `resource_version`. An older generation stored after the newer one we know (a
+    /// restored copy) is treated as a loss: we keep the newer content, and the leader
+    /// overwrites the copy.
     pub fn offer(&self, assignment: Assignment, resource_version: Option<String>) {
         self.current.send_if_modified(|current| {
-            let newer = current.as_ref().is_none_or(|p| {
-                assignment.generation > p.assignment.generation
-                    || (assignment.generation == p.assignment.generation && p.resource_version != resource_version)
-            });
-            if newer {
-                *current = Some(Published { assignment, resource_version });
+            let Some(known) = current else {
+                *current = Some(Published { assignment, resource_version, republish: false });
+                return true;
+            };
+            let generation = assignment.generation;
+            let same_copy = known.resource_version == resource_version;
+            if generation > known.assignment.generation || (generation == known.assignment.generation && !same_copy) {
+                *current = Some(Published { assignment, resource_version, republish: false });
+                return true;
             }
-            newer
+            // A watch event older than a read we already took is no restore.
+            if generation == known.assignment.generation
+                || same_copy
+                || stored_before(resource_version.as_deref(), known.resource_version.as_deref())
+            {
+                return false;
+            }
+            tracing::warn!(
+                stored = generation,
+                known = known.assignment.generation,
+                "an older assignment was stored over a newer one; it counts as lost"
+            );
+            known.resource_version = resource_version;
+            known.republish = true;
+            true
         });
     }
 
@@ -63,6 +88,7 @@ impl AssignmentView {
         self.current.send_if_modified(|current| match current {
             Some(p) if p.resource_version.is_some() => {
                 p.resource_version = None;
+                p.republish = true;
                 true
             }
             _ => false,
@@ -104,6 +130,13 @@ pub fn published(configmaps: Api<ConfigMap>) -> impl futures::Stream<Item = Assi
     })
 }
 
+/// Whether resourceVersion `a` was stored before `b`. Kubernetes 1.35 made resourceVersions
+/// comparable as integers (KEP-5504); anything else compares as not before.
+fn stored_before(a: Option<&str>, b: Option<&str>) -> bool {
+    let number = |rv: Option<&str>| rv.and_then(|rv| rv.parse::<u128>().ok());
+    matches!((number(a), number(b)), (Some(a), Some(b)) if a < b)
+}
+
 pub fn decode(cm: &ConfigMap) -> Option<(Assignment, String)> {
     let data = cm.data.as_ref()?;
     match Assignment::decode(data) {
@@ -112,5 +145,48 @@ pub fn decode(cm: &ConfigMap) -> Option<(Assignment, String)> {
             tracing::error!(%error, "the published assignment is malformed; keeping the previous one");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generation(generation: u64) -> Assignment {
+        Assignment { generation, ..Default::default() }
+    }
+
+    fn known(view: &AssignmentView) -> (u64, Option<String>, bool) {
+        let p = view.get().unwrap();
+        (p.assignment.generation, p.resource_version, p.republish)
+    }
+
+    #[test]
+    fn a_restored_older_copy_counts_as_lost_and_keeps_the_newer_content() {
+        let view = AssignmentView::default();
+        view.offer(generation(5), Some("100".into()));
+        view.offer(generation(7), Some("120".into()));
+        view.offer(generation(5), Some("130".into()));
+        assert_eq!(known(&view), (7, Some("130".into()), true), "overwrite the copy, keep generation 7");
+        view.offer(generation(8), Some("140".into()));
+        assert_eq!(known(&view), (8, Some("140".into()), false), "published again");
+    }
+
+    #[test]
+    fn a_late_watch_event_is_no_restore() {
+        let view = AssignmentView::default();
+        view.offer(generation(7), Some("120".into()));
+        view.offer(generation(6), Some("110".into()));
+        assert_eq!(known(&view), (7, Some("120".into()), false));
+    }
+
+    #[test]
+    fn a_deleted_configmap_is_published_again() {
+        let view = AssignmentView::default();
+        view.offer(generation(7), Some("120".into()));
+        view.gone();
+        assert_eq!(known(&view), (7, None, true));
+        view.offer(generation(8), Some("150".into()));
+        assert_eq!(known(&view), (8, Some("150".into()), false));
     }
 }

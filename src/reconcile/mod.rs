@@ -129,7 +129,9 @@ impl TrafficPolicyReconciler {
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
         let applied: Applied = bounded(gate, self.client.request(request)).await.map_err(|e| match e {
-            Error::Kube(kube::Error::Api(status)) if is_fenced(&status) => Error::Fenced,
+            Error::Kube(kube::Error::Api(status)) if is_fenced(&status) => {
+                Error::Fenced(format!("{kind} {}/{}: {}", key.namespace(), child.name_any(), status.message))
+            }
             // The server refused the object as invalid: the spec holds something the CRD
             // schema could not rule out (e.g. an invalid label key). Retrying won't help.
             Error::Kube(kube::Error::Api(status)) if status.code == 422 || status.code == 400 => {
@@ -168,9 +170,30 @@ impl TrafficPolicyReconciler {
             Ok(_) => Ok(()),
             // Deleted meanwhile: nothing left to report on.
             Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => Ok(()),
-            Err(Error::Kube(kube::Error::Api(s))) if is_fenced(&s) => Err(Error::Fenced),
+            Err(Error::Kube(kube::Error::Api(s))) if is_fenced(&s) => {
+                let policy = format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any());
+                Err(Error::Fenced(format!("the status of ApplicationTrafficPolicy {policy}: {}", s.message)))
+            }
             Err(e) => Err(e),
         }
+    }
+
+    /// A write was fenced although this replica still owns the policy's bucket. A bucket
+    /// moves only once its owner has let go, so no newer owner wrote the stored token: it
+    /// comes from another install or a hand edit, and no write of ours can beat it. Say so
+    /// in the status (if the status itself is not what is fenced) and in a Warning event.
+    async fn token_conflict(&self, policy: &ApplicationTrafficPolicy, gate: &dyn WriteGate, refused: &str) -> Error {
+        let message = format!(
+            "{refused}. This replica owns the policy's bucket, so the stored fencing token comes from another \
+             install of the operator or a hand edit, and no write of the operator can pass it: remove the token as \
+             the operator's identity (docs/operations.md, \"Fencing token conflicts\")"
+        );
+        if let Err(error) = self.write_status(policy, &Outcome::TokenConflict(message.clone()), gate).await {
+            tracing::debug!(%error, "could not report the fencing token conflict in the status");
+        }
+        self.event(policy, gate, Occurrence::Repeating(EventType::Warning), status::TOKEN_CONFLICT, message.clone())
+            .await;
+        Error::ForeignToken(message)
     }
 
     /// Publishes an event; failures are logged, never fatal. True when it was published.
@@ -250,7 +273,8 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
                     .await;
                 Err(Error::InvalidSpec(message))
             }
-            Err(error @ (Error::LostOwnership | Error::Fenced)) => Err(error),
+            Err(Error::Fenced(refused)) if gate.permitted() => Err(self.token_conflict(&policy, gate, &refused).await),
+            Err(error @ (Error::LostOwnership | Error::Fenced(_))) => Err(error),
             Err(error) => {
                 // Best effort: the API may be what is failing.
                 let _ = self.write_status(&policy, &Outcome::ApplyFailed(error.to_string()), gate).await;

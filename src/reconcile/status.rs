@@ -6,6 +6,8 @@
 use crate::api::{ApplicationTrafficPolicyStatus, Condition, ConditionStatus, Time};
 
 pub const READY: &str = "Ready";
+/// The Ready reason (and Warning event) of a policy whose writes a foreign fencing token refuses.
+pub const TOKEN_CONFLICT: &str = "FencingTokenConflict";
 
 /// What a reconcile concluded about a policy.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,6 +18,8 @@ pub enum Outcome {
     InvalidSpec(String),
     /// Applying failed for a reason that may pass (API errors, permissions).
     ApplyFailed(String),
+    /// A child or the status carries a fencing token this operator cannot beat.
+    TokenConflict(String),
 }
 
 impl Outcome {
@@ -26,6 +30,7 @@ impl Outcome {
             }
             Self::InvalidSpec(message) => (ConditionStatus::False, "InvalidSpec", message.clone()),
             Self::ApplyFailed(message) => (ConditionStatus::False, "ApplyFailed", message.clone()),
+            Self::TokenConflict(message) => (ConditionStatus::False, TOKEN_CONFLICT, message.clone()),
         }
     }
 }
@@ -33,10 +38,11 @@ impl Outcome {
 /// The `(ready, reason)` pairs `traffic_policy_policies` reports: a fixed set, so the metric
 /// stays bounded whatever a status says. A policy without a Ready condition for its current
 /// generation is `("Unknown", "Pending")`.
-pub const READY_STATES: [(&str, &str); 5] = [
+pub const READY_STATES: [(&str, &str); 6] = [
     ("True", "Applied"),
     ("False", "InvalidSpec"),
     ("False", "ApplyFailed"),
+    ("False", TOKEN_CONFLICT),
     ("Unknown", "Pending"),
     ("Unknown", "Other"),
 ];
@@ -46,9 +52,9 @@ pub const READY_STATES: [(&str, &str); 5] = [
 pub fn ready_state(generation: Option<i64>, ready: Option<(&str, &str, Option<i64>)>) -> usize {
     match ready {
         Some((status, reason, observed)) if observed == generation => {
-            READY_STATES.iter().position(|&(s, r)| s == status && r == reason).unwrap_or(4)
+            READY_STATES.iter().position(|&(s, r)| s == status && r == reason).unwrap_or(READY_STATES.len() - 1)
         }
-        _ => 3,
+        _ => READY_STATES.len() - 2,
     }
 }
 

@@ -20,6 +20,8 @@ pub trait WriteGate: Send + Sync {
     /// Right before a write: the fencing token to stamp on it, or
     /// [`Error::LostOwnership`] when this replica may no longer write.
     fn check(&self, what: &str) -> Result<u64>;
+    /// Whether this replica may still write, without a write to follow (nothing recorded).
+    fn permitted(&self) -> bool;
     /// How long one write may take, client and server side.
     fn write_bound(&self) -> Duration;
     /// Labels to put on every object written, so that the watches of whoever may write it
@@ -48,9 +50,11 @@ pub async fn bounded<T>(gate: &dyn WriteGate, write: impl Future<Output = kube::
     let bound = gate.write_bound();
     let mut abandoned = AbandonOnDrop { gate, sent, armed: true };
     let result = tokio::time::timeout(bound, write).await;
-    // Only an answer from the server says the write is over; a transport error after the
-    // request was sent says nothing of whether it will still be applied.
-    abandoned.armed = !matches!(result, Ok(Ok(_)) | Ok(Err(kube::Error::Api(_))));
+    // Only an answer from the server that it is done with the write says the write is over. A
+    // transport error after the request was sent says nothing of whether it will still be
+    // applied, and neither does a 5xx: a 504 from a proxy, or a 500 from a server whose storage
+    // timed out, may come while the write still goes through.
+    abandoned.armed = !matches!(result, Ok(Ok(_))) && !matches!(&result, Ok(Err(kube::Error::Api(s))) if s.code < 500);
     match result {
         Ok(result) => Ok(result?),
         Err(_) => Err(Error::Timeout(bound)),
@@ -96,6 +100,9 @@ mod tests {
         fn check(&self, _: &str) -> Result<u64> {
             Ok(1)
         }
+        fn permitted(&self) -> bool {
+            true
+        }
         fn write_bound(&self) -> Duration {
             Duration::from_secs(5)
         }
@@ -113,6 +120,15 @@ mod tests {
         let answered = bounded(&gate, async { Ok::<_, kube::Error>(7) }).await.unwrap();
         assert_eq!(answered, 7);
         assert!(gate.0.lock().unwrap().is_empty());
+        let refused = kube::core::Status::failure("invalid", "Invalid").with_code(422);
+        let refused = bounded(&gate, async { Err::<(), _>(kube::Error::Api(Box::new(refused))) }).await;
+        assert!(refused.is_err());
+        assert!(gate.0.lock().unwrap().is_empty(), "the server refused it: it will not land");
+        let gateway_timeout = kube::core::Status::failure("timeout", "Timeout").with_code(504);
+        let gateway_timeout = bounded(&gate, async { Err::<(), _>(kube::Error::Api(Box::new(gateway_timeout))) }).await;
+        assert!(gateway_timeout.is_err());
+        assert_eq!(gate.0.lock().unwrap().len(), 1, "a 504 may still land");
+        gate.0.lock().unwrap().clear();
         let hung = bounded(&gate, std::future::pending::<kube::Result<()>>()).await;
         assert!(matches!(hung, Err(Error::Timeout(_))));
         assert_eq!(gate.0.lock().unwrap().len(), 1);

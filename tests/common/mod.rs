@@ -129,8 +129,11 @@ async fn install_once(cp: &'static ControlPlane) {
             let crds = Api::<CustomResourceDefinition>::all(client.clone());
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
             // The admission policies of deploy/'s components: fencing, and bucket labels.
+            // Every test runs its operators under service accounts of its own: each is the operator
+            // to the fencing policy; any other identity (the admin, an impersonated tenant) is not.
             for component in ["fencing/fencing.yaml", "bucket-labels/bucket-labels.yaml"] {
-                let objects = manifests::read(&Path::new(REPO).join("deploy/components").join(component)).unwrap();
+                let mut objects = manifests::read(&Path::new(REPO).join("deploy/components").join(component)).unwrap();
+                manifests::set_policy_variable(&mut objects, "fromOperator", FROM_OPERATOR);
                 manifests::apply(&client, &objects, "e2e-tests").await.unwrap();
             }
             // deploy/base/flowschema.yaml, for every service account: each test runs its operators
@@ -167,6 +170,9 @@ async fn install_once(cp: &'static ControlPlane) {
         })
         .await;
 }
+
+/// Who the fencing policy takes for the operator on the shared control plane.
+pub const FROM_OPERATOR: &str = "request.userInfo.username.startsWith('system:serviceaccount:')";
 
 /// The bucket-label component's grant to label namespaces.
 const NAMESPACE_LABELS_ROLE: &str = "deploy/components/bucket-labels/clusterrole.yaml";

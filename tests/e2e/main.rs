@@ -11,4 +11,5 @@ mod restart;
 #[path = "../common/mod.rs"]
 mod support;
 mod throttling;
+mod tokens;
 mod validation;

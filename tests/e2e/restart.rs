@@ -5,7 +5,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
 use crate::lifecycle::policy;
@@ -107,9 +107,14 @@ async fn a_generation_applied_but_never_reported_gets_its_event() {
     let status = first.stop().expect("the operator exits");
     assert!(status.success(), "SIGTERM must end in exit 0, got {status}");
 
-    // What the first replica would have left had it stopped right after the children.
+    // What the first replica would have left had it stopped right after the children. The
+    // status carries a fencing token, which only the operator's identity may remove.
     let no_status = serde_json::json!({ "status": null });
-    policies.patch_status("unreported", &PatchParams::default(), &Patch::Merge(&no_status)).await.unwrap();
+    let as_operator = env.cp.client_as(&format!("system:serviceaccount:{}:operator", env.namespace)).await.unwrap();
+    Api::<ApplicationTrafficPolicy>::namespaced(as_operator, &env.namespace)
+        .patch_status("unreported", &PatchParams::default(), &Patch::Merge(&no_status))
+        .await
+        .unwrap();
     for (name, _) in first_events {
         env.api::<Event>().delete(&name, &DeleteParams::default()).await.unwrap();
     }

@@ -138,6 +138,24 @@ impl Fleet {
         t
     }
 
+    /// Uninstalls the operator and installs it again in `operator_namespace`, as a namespace
+    /// move or a delete and re-apply of the install does: every replica stops, the operator's
+    /// namespace goes with its Leases and assignment, and the replicas started from now on run
+    /// in the new one. The policies and their children stay.
+    pub async fn reinstall(&mut self, operator_namespace: &str) {
+        for name in self.replicas.keys().cloned().collect::<Vec<_>>() {
+            self.terminate(&name);
+        }
+        let namespaces = Api::<Namespace>::all(self.client());
+        let old = self.env.namespace.clone();
+        namespaces.delete(&old, &DeleteParams::default()).await.unwrap();
+        eventually(&format!("the operator's namespace {old} is gone"), || async {
+            namespaces.get_opt(&old).await.ok()?.is_none().then_some(())
+        })
+        .await;
+        self.env = TestEnv::new(operator_namespace).await;
+    }
+
     /// Per replica: (buckets owned, objects cached).
     pub fn shares(&self) -> BTreeMap<String, (f64, f64)> {
         self.replicas

@@ -14,6 +14,7 @@ mod fleet;
 mod handoff;
 mod modes;
 mod server;
+mod trust;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -238,6 +238,16 @@ impl ControlPlane {
         self.client_for_token(&self.admin_token, "admin").await
     }
 
+    /// The admin acting as `user` (impersonation): a client with `user`'s rights only, as
+    /// `kubectl --as` gives.
+    pub async fn client_as(&self, user: &str) -> Result<kube::Client> {
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_yaml(&self.admin_token, "admin"))?;
+        let mut config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default()).await?;
+        config.auth_info.impersonate = Some(user.into());
+        Ok(kube::Client::try_from(config)?)
+    }
+
     async fn client_for_token(&self, token: &str, user: &str) -> Result<kube::Client> {
         let kubeconfig = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_yaml(token, user))?;
         let config =

@@ -18,6 +18,20 @@ pub fn read(path: &Path) -> Result<Vec<DynamicObject>> {
         .collect()
 }
 
+/// Sets the CEL expression of variable `name` in every ValidatingAdmissionPolicy of `objects`
+/// that declares it (the fencing policy's `fromOperator`, for a harness whose operators run
+/// under identities of its own).
+pub fn set_policy_variable(objects: &mut [DynamicObject], name: &str, expression: &str) {
+    let policies =
+        objects.iter_mut().filter(|o| o.types.as_ref().is_some_and(|t| t.kind == "ValidatingAdmissionPolicy"));
+    for policy in policies {
+        let variables = policy.data["spec"]["variables"].as_array_mut().into_iter().flatten();
+        for variable in variables.filter(|v| v["name"] == name) {
+            variable["expression"] = expression.into();
+        }
+    }
+}
+
 /// The API of a cluster-scoped object of any kind.
 pub fn api_for(client: &Client, object: &DynamicObject) -> Api<DynamicObject> {
     let types = object.types.clone().expect("apiVersion and kind");
