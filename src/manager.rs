@@ -236,7 +236,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     ownership.release_all();
     audit.record("owned", &"shutdown", "");
     // Nothing of ours may land after we say we let go: wait out abandoned writes too.
-    let drained = drained && ownership.drained(shard.write_bound()).await;
+    let drained = drained && ownership.drained(shard.landing_bound() + Duration::from_millis(100)).await;
     stop_lease.cancel();
     if let Some(task) = lease_task {
         let _ = task.await;

@@ -32,7 +32,7 @@ use super::namespace_labels::label_namespaces;
 use super::ownership::Ownership;
 use super::published::AssignmentView;
 use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
-use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, plan};
+use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, next_assignment, starting_point};
 use crate::sharding::balance::{self, Steadiness};
 use crate::sharding::bucket::Mode;
 use crate::sharding::counts::Counts;
@@ -198,29 +198,25 @@ impl Leader {
             return None;
         }
         let mode = self.ownership.mode();
-        let (mut current, resource_version, republish) = match self.view.get() {
-            Some(p) => (p.assignment, p.resource_version, p.republish),
-            None => (Assignment { mode, ..Assignment::default() }, None, true),
+        let (known, resource_version, republish) = match self.view.get() {
+            Some(p) => (Some(p.assignment), p.resource_version, p.republish),
+            None => (None, None, true),
         };
-        // Generations are fencing epochs and must never go back. Published anew, an
-        // assignment starts above every generation any install reserved (`EpochFloor`).
-        if republish {
-            match self.floor.reserved().await {
-                Ok(reserved) => current.generation = current.generation.max(reserved),
+        // Published anew, an assignment starts above every generation any install reserved.
+        let reserved = match republish {
+            true => match self.floor.reserved().await {
+                Ok(reserved) => reserved,
                 Err(error) => {
                     tracing::warn!(%error, "not publishing the assignment");
                     return None;
                 }
-            }
-        }
+            },
+            false => 0,
+        };
+        // If a member saw a newer assignment than the ConfigMap holds, what it gave to whom is
+        // lost; the write's precondition fails if the ConfigMap holds one we have yet to see.
         let seen = self.members.with(|t| t.highest_generation());
-        if current.generation < seen {
-            // A member saw a newer assignment than the ConfigMap holds (it was deleted, or an
-            // older copy restored, and we never saw the newer one): what it gave to whom is
-            // lost, and its owners may still be writing. Revoke everything. The write's
-            // precondition fails if the ConfigMap does hold a newer one that we have yet to see.
-            current = Assignment::after_loss(seen + 1, mode);
-        }
+        let mut current = starting_point(known, republish, reserved, seen, mode);
         if current.mode != mode && current.generation > 0 {
             // Publish the revocation of everything first: the old mode's owners must read it,
             // or reach their renew deadline, before any bucket of the new mode is given.
@@ -251,14 +247,7 @@ impl Leader {
             may_reassign(since, facts)
         };
         let rebalanced = if leaving.is_none() { self.rebalance(&current, &receivers) } else { None };
-        match plan(&current, &receivers, &release, rebalanced) {
-            Some(next) => Some((next, resource_version)),
-            // The ConfigMap is gone or holds an older copy: publish what we know again, under a new generation.
-            None if republish && current.generation > 0 => {
-                Some((Assignment { generation: current.generation + 1, ..current }, resource_version))
-            }
-            None => None,
-        }
+        next_assignment(&current, &receivers, &release, rebalanced, republish).map(|next| (next, resource_version))
     }
 
     /// New object counts to balance slices by, when the owners' reports of a settled

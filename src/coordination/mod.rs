@@ -73,11 +73,18 @@ impl ShardConfig {
         format!("{MEMBER_LEASE_PREFIX}{}", self.identity)
     }
 
-    /// How long one write may take: the margin between lease duration and renew deadline.
-    /// A write checked just before the deadline has landed (or failed) by the time the
-    /// leader may give its bucket to someone else.
+    /// How long one write may take, on the client and (the `timeout` parameter) on the API
+    /// server: 45 % of the margin between lease duration and renew deadline. A request the
+    /// server received just before the client gave up may still land a bound later, so an
+    /// unanswered write may land up to twice the bound after it was sent ([`Self::landing_bound`]);
+    /// the last tenth of the margin is left for clock rates (docs/sharding.md, "The margin").
     pub fn write_bound(&self) -> Duration {
-        self.lease_duration.saturating_sub(self.renew_deadline)
+        self.lease_duration.saturating_sub(self.renew_deadline) * 9 / 20
+    }
+
+    /// How long after it was sent an unanswered write may still land.
+    pub fn landing_bound(&self) -> Duration {
+        self.write_bound() * 2
     }
 }
 

@@ -3,10 +3,13 @@
 //! gate), bucket labels otherwise. The choice is logged, exported as
 //! `traffic_policy_shard_mode`, and written into the assignment by the leader.
 
+use std::time::Duration;
+
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
 use kube::api::{Api, ListParams};
 
+use crate::runtime::backoff::Backoff;
 use crate::sharding::bucket::{BUCKETS, Mode};
 use crate::sharding::shard_range;
 use crate::telemetry::metrics;
@@ -26,14 +29,7 @@ pub enum Requested {
 pub async fn choose(client: &Client, namespace: &str, requested: Requested) -> anyhow::Result<Mode> {
     let mode = match requested {
         Requested::Labels => Mode::Labels,
-        Requested::Auto => match server_honours_shard_selector(client, namespace).await {
-            Ok(true) => Mode::ShardSelector,
-            Ok(false) => Mode::Labels,
-            Err(error) => {
-                tracing::warn!(%error, "cannot tell whether the API server honours shard selectors; using labels");
-                Mode::Labels
-            }
-        },
+        Requested::Auto => probe_until_answered(client, namespace).await,
         Requested::ShardSelector => match server_honours_shard_selector(client, namespace).await? {
             true => Mode::ShardSelector,
             false => anyhow::bail!(
@@ -45,6 +41,26 @@ pub async fn choose(client: &Client, namespace: &str, requested: Requested) -> a
     tracing::info!(mode = mode.as_str(), ?requested, "sharding mode chosen");
     metrics::set_shard_mode(mode.as_str());
     Ok(mode)
+}
+
+/// Asks until the API server answers: a replica that fell back to labels on a failed probe
+/// would compute buckets unlike the rest of the fleet (and own nothing under its assignment).
+/// Not Ready meanwhile, since nothing else starts before the mode is known.
+async fn probe_until_answered(client: &Client, namespace: &str) -> Mode {
+    let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    let mut failures = 0;
+    loop {
+        match server_honours_shard_selector(client, namespace).await {
+            Ok(true) => return Mode::ShardSelector,
+            Ok(false) => return Mode::Labels,
+            Err(error) => {
+                failures += 1;
+                let retry = backoff.delay(failures);
+                tracing::warn!(%error, ?retry, "cannot tell whether the API server honours shard selectors; asking again");
+                tokio::time::sleep(retry).await;
+            }
+        }
+    }
 }
 
 /// Lists one ConfigMap of our namespace with a shard selector: a server that honoured it

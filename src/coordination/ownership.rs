@@ -159,9 +159,10 @@ impl InFlight {
         self.ownership.write_bound
     }
 
-    /// A write sent at `sent` was given up unanswered: it may still land until its bound.
+    /// A write sent at `sent` was given up unanswered: the server may have received it just
+    /// before we gave up and still apply it a write bound later.
     pub fn abandoned(&self, sent: Instant) {
-        self.ownership.lock().abandoned(self.bucket, sent + self.ownership.write_bound);
+        self.ownership.lock().abandoned(self.bucket, sent + self.ownership.write_bound * 2);
         self.ownership.notify();
     }
 }
@@ -208,6 +209,7 @@ mod tests {
         in_flight.abandoned(Instant::now());
         drop(in_flight);
         assert!(!o.drained(Duration::from_secs(1)).await, "the abandoned write may still land");
+        assert!(!o.drained(Duration::from_secs(5)).await, "for up to twice the write bound");
         assert!(o.drained(Duration::from_secs(5)).await);
         assert_eq!(o.acknowledgeable(), Some(2));
     }

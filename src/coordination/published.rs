@@ -14,7 +14,7 @@ use super::ASSIGNMENT_CONFIGMAP;
 use crate::sharding::assignment::Assignment;
 
 /// The newest assignment this replica knows.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Published {
     pub assignment: Assignment,
     /// The ConfigMap's resourceVersion, the precondition of the next write; `None` once the
@@ -24,6 +24,40 @@ pub struct Published {
     /// restored over it (a backup, a GitOps tool). The leader publishes it again, above
     /// every generation seen, before anything else moves.
     pub republish: bool,
+}
+
+impl Published {
+    /// What we know after reading `assignment` from the ConfigMap at `resource_version`,
+    /// when that changes what we knew (`known`). An older generation stored after the newer
+    /// one we know (a restored copy) is treated as a loss: we keep the newer content, and
+    /// the leader overwrites the copy.
+    pub fn after_read(
+        known: Option<&Published>,
+        assignment: Assignment,
+        resource_version: Option<String>,
+    ) -> Option<Self> {
+        let Some(known) = known else {
+            return Some(Published { assignment, resource_version, republish: false });
+        };
+        let generation = assignment.generation;
+        let same_copy = known.resource_version == resource_version;
+        if generation > known.assignment.generation || (generation == known.assignment.generation && !same_copy) {
+            return Some(Published { assignment, resource_version, republish: false });
+        }
+        // A watch event older than a read we already took is no restore.
+        if generation == known.assignment.generation
+            || same_copy
+            || stored_before(resource_version.as_deref(), known.resource_version.as_deref())
+        {
+            return None;
+        }
+        tracing::warn!(
+            stored = generation,
+            known = known.assignment.generation,
+            "an older assignment was stored over a newer one; it counts as lost"
+        );
+        Some(Published { resource_version, republish: true, ..known.clone() })
+    }
 }
 
 /// The newest assignment, shared by the follower and the lease (which read it) and the
@@ -49,36 +83,16 @@ impl AssignmentView {
     }
 
     /// Keeps the newer of what we have and `assignment`, read from the ConfigMap at
-    /// `resource_version`. An older generation stored after the newer one we know (a
-    /// restored copy) is treated as a loss: we keep the newer content, and the leader
-    /// overwrites the copy.
+    /// `resource_version` (see [`Published::after_read`]).
     pub fn offer(&self, assignment: Assignment, resource_version: Option<String>) {
         self.current.send_if_modified(|current| {
-            let Some(known) = current else {
-                *current = Some(Published { assignment, resource_version, republish: false });
-                return true;
-            };
-            let generation = assignment.generation;
-            let same_copy = known.resource_version == resource_version;
-            if generation > known.assignment.generation || (generation == known.assignment.generation && !same_copy) {
-                *current = Some(Published { assignment, resource_version, republish: false });
-                return true;
+            match Published::after_read(current.as_ref(), assignment, resource_version) {
+                Some(next) => {
+                    *current = Some(next);
+                    true
+                }
+                None => false,
             }
-            // A watch event older than a read we already took is no restore.
-            if generation == known.assignment.generation
-                || same_copy
-                || stored_before(resource_version.as_deref(), known.resource_version.as_deref())
-            {
-                return false;
-            }
-            tracing::warn!(
-                stored = generation,
-                known = known.assignment.generation,
-                "an older assignment was stored over a newer one; it counts as lost"
-            );
-            known.resource_version = resource_version;
-            known.republish = true;
-            true
         });
     }
 

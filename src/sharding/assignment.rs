@@ -36,7 +36,7 @@ pub type Epoch = u64;
 /// (its ConfigMap deleted before this leader saw it): they move after a lease duration.
 pub const UNKNOWN_OWNER: &str = "(previous)";
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Slot {
     Free,
     Owned { member: String, epoch: Epoch },
@@ -60,7 +60,7 @@ impl Slot {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Assignment {
     pub generation: u64,
     pub slots: Vec<Slot>,
@@ -262,6 +262,38 @@ pub fn plan(
         slots,
         mode: current.mode,
         objects,
+    })
+}
+
+/// Where the leader plans from: the newest assignment it knows (`None`: none read yet);
+/// whether the ConfigMap must be written anew (deleted, or an older copy stored over it);
+/// the generation floor reserved on the CRD (read only then); and the highest generation
+/// any member has seen. Generations are fencing epochs and never go back: published anew,
+/// an assignment starts above the reservation, and if a member saw a newer assignment than
+/// we know, what it gave to whom is lost and everything is revoked from an unknown owner.
+pub fn starting_point(known: Option<Assignment>, republish: bool, reserved: u64, seen: u64, mode: Mode) -> Assignment {
+    let mut current = known.unwrap_or_else(|| Assignment { mode, ..Assignment::default() });
+    if republish {
+        current.generation = current.generation.max(reserved);
+    }
+    if current.generation < seen {
+        current = Assignment::after_loss(seen + 1, mode);
+    }
+    current
+}
+
+/// The leader's next assignment from `current`: the moves [`plan`] makes, or, when the
+/// ConfigMap must be written anew and nothing moves, what we know under a new generation.
+pub fn next_assignment(
+    current: &Assignment,
+    receivers: &BTreeSet<String>,
+    release: &impl Release,
+    rebalanced: Option<Counts>,
+    republish: bool,
+) -> Option<Assignment> {
+    plan(current, receivers, release, rebalanced).or_else(|| {
+        (republish && current.generation > 0)
+            .then(|| Assignment { generation: current.generation + 1, ..current.clone() })
     })
 }
 

@@ -10,7 +10,7 @@ use super::bucket::{BUCKETS, Bucket};
 pub type Counts = BTreeMap<Bucket, u32>;
 
 /// What a replica holds, per bucket, as counted for the assignment of `generation`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Report {
     pub generation: u64,
     pub counts: Counts,

@@ -29,7 +29,7 @@ pub fn pod_of(incarnation: &str) -> &str {
 }
 
 /// What one member Lease says, as read from the API server.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct LeaseState {
     /// The incarnation holding it; empty once released (graceful shutdown).
     pub holder: Option<String>,
@@ -67,7 +67,7 @@ pub enum Liveness {
     Released,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Observed {
     state: LeaseState,
     last_change: Instant,
@@ -81,7 +81,7 @@ struct Observed {
 /// How many releasing incarnations a member entry remembers.
 const RELEASES_KEPT: usize = 4;
 
-#[derive(Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MemberTable {
     /// By pod name.
     members: BTreeMap<String, Observed>,

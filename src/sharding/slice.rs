@@ -31,7 +31,7 @@ impl Change {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Slice {
     me: String,
     /// How this process computes buckets; an assignment of another mode gives it nothing.
@@ -158,17 +158,19 @@ impl Slice {
         *at = (*at).max(until);
     }
 
-    /// Drops from the undrained set what has drained by `now`; true when nothing is left.
+    /// Drops from the undrained set what has drained by `now`; true when nothing is left. A
+    /// write may land up to its bound, inclusive, so it has drained only once that has passed
+    /// (the model checker found an acknowledgement at the very instant a write could land).
     pub fn drain(&mut self, now: Instant) -> bool {
-        self.landing.retain(|_, until| *until > now);
+        self.landing.retain(|_, until| *until >= now);
         let (in_flight, landing) = (&self.in_flight, &self.landing);
         self.undrained.retain(|b| in_flight.contains_key(b) || landing.contains_key(b));
         self.undrained.is_empty()
     }
 
-    /// When the next abandoned write's bound passes, if one is pending.
+    /// When the next abandoned write's bound has passed (just after it), if one is pending.
     pub fn next_landing(&self) -> Option<Instant> {
-        self.landing.values().min().copied()
+        self.landing.values().min().map(|until| *until + Duration::from_millis(1))
     }
 
     /// The generation to acknowledge: everything it took from us has drained.
@@ -243,7 +245,8 @@ mod tests {
         slice.abandoned(1, t0 + S(5));
         slice.end(1);
         assert_eq!(slice.acknowledgeable(t0 + S(4)), None, "an abandoned write may still land");
-        assert_eq!(slice.acknowledgeable(t0 + S(5)), Some(2));
+        assert_eq!(slice.acknowledgeable(t0 + S(5)), None, "up to its bound, inclusive");
+        assert_eq!(slice.acknowledgeable(t0 + S(5) + Duration::from_millis(1)), Some(2));
     }
 
     #[test]
@@ -270,7 +273,7 @@ mod tests {
         assert!(slice.confirm(t0 + S(1), &assignment(1, &[(1, 1)])).is_empty(), "a renewal cycle during shutdown");
         assert_eq!(slice.permit(1, t0 + S(1)), None);
         assert!(!slice.drain(t0 + S(1)), "the abandoned write still counts");
-        assert!(slice.drain(t0 + S(5)));
+        assert!(slice.drain(t0 + S(5) + Duration::from_millis(1)));
     }
 
     #[test]
