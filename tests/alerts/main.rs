@@ -187,10 +187,20 @@ async fn the_queue_depth_alert_fires_on_edits_and_not_on_a_restart_backlog() {
         async move {
             let (namespace, name) = policy_name(i);
             let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": 1000 + i } } });
-            Api::<ApplicationTrafficPolicy>::namespaced(client, &namespace)
-                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map(|_| ())
+            let api = Api::<ApplicationTrafficPolicy>::namespaced(client, &namespace);
+            // A merge patch of one value can be sent again: a burst of requests on reused
+            // connections sometimes meets one the server closed (hyper's IncompleteMessage),
+            // which says nothing of the patch.
+            let mut attempts = 0;
+            loop {
+                attempts += 1;
+                match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                    Ok(_) => return Ok(()),
+                    Err(error @ kube::Error::Api(_)) => return Err(error),
+                    Err(error) if attempts == 3 => return Err(error),
+                    Err(_) => {}
+                }
+            }
         }
     }));
     for result in edits.await {
