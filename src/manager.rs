@@ -36,6 +36,7 @@ use crate::runtime::cache::Cache;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::parts::{self, Slicing};
 use crate::runtime::stored::Stored as _;
+use crate::runtime::watch_health::WatchHealth;
 use crate::runtime::{Controller, Settings, watch};
 use crate::telemetry::audit::Audit;
 use crate::telemetry::{admin, logging, metrics};
@@ -75,8 +76,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let members = Arc::new(Members::default());
     let view = Arc::new(AssignmentView::default());
     let load = Arc::new(LoadReport::default());
-    let member_lease =
-        Arc::new(MemberLease::new(coordination.clone(), &shard, ownership.clone(), view.clone(), load.clone()));
+    // Refused watches make this replica give its slice up (see `coordination::lease`).
+    let watch_health = WatchHealth::new();
+    let member_lease = Arc::new(MemberLease::new(
+        coordination.clone(),
+        &shard,
+        ownership.clone(),
+        view.clone(),
+        load.clone(),
+        watch_health.clone(),
+    ));
     let leader = Arc::new(Leader::new(
         coordination.clone(),
         client.clone(),
@@ -128,7 +137,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         move |namespace| mode.bucket_of(namespace),
         move |buckets| slice_selector(mode, buckets),
     );
-    let policies = parts::watch(api(&client, &args), None, slice.clone(), slicing.clone());
+    let policies = parts::watch(api(&client, &args), None, slice.clone(), slicing.clone(), watch_health.clone());
     let primary = watch::primary(policies, crate::reconcile::labelled_from_backlog, writer);
     let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
@@ -139,6 +148,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 owned.clone(),
                 slice.clone(),
                 slicing.clone(),
+                watch_health.clone(),
             ),
             "NetworkPolicy",
             owner_kind,
@@ -146,7 +156,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         )
         .boxed(),
         watch::children(
-            parts::watch(api::<PartialObjectMeta<ConfigMap>>(&client, &args), owned, slice.clone(), slicing.clone()),
+            parts::watch(
+                api::<PartialObjectMeta<ConfigMap>>(&client, &args),
+                owned,
+                slice.clone(),
+                slicing.clone(),
+                watch_health,
+            ),
             "ConfigMap",
             owner_kind,
             FIELD_MANAGER,

@@ -32,7 +32,9 @@ use super::namespace_labels::label_namespaces;
 use super::ownership::Ownership;
 use super::published::AssignmentView;
 use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
-use crate::sharding::assignment::{Assignment, DrainFacts, Slot, may_reassign, next_assignment, starting_point};
+use crate::sharding::assignment::{
+    Assignment, DrainFacts, Slot, may_reassign, next_assignment, starting_point, track_revocations, vacate,
+};
 use crate::sharding::balance::{self, Steadiness};
 use crate::sharding::bucket::Mode;
 use crate::sharding::counts::Counts;
@@ -62,6 +64,8 @@ pub struct Leader {
     last_planned: Mutex<Option<Instant>>,
     /// Whether the policy counts the replicas report have held still.
     steadiness: Mutex<Steadiness>,
+    /// The renewing members given nothing, as last logged.
+    idle_logged: Mutex<BTreeMap<String, String>>,
 }
 
 impl Leader {
@@ -94,6 +98,7 @@ impl Leader {
             confirmed_silent: Mutex::default(),
             last_planned: Mutex::default(),
             steadiness: Mutex::default(),
+            idle_logged: Mutex::default(),
         }
     }
 
@@ -217,22 +222,8 @@ impl Leader {
         // lost; the write's precondition fails if the ConfigMap holds one we have yet to see.
         let seen = self.members.with(|t| t.highest_generation());
         let mut current = starting_point(known, republish, reserved, seen, mode);
-        if current.mode != mode && current.generation > 0 {
-            // Publish the revocation of everything first: the old mode's owners must read it,
-            // or reach their renew deadline, before any bucket of the new mode is given.
-            tracing::warn!(from = current.mode.as_str(), to = mode.as_str(), "changing the sharding mode");
-            return Some((Assignment::after_loss(current.generation + 1, mode), resource_version));
-        }
-        current.mode = mode;
         self.track_revocations(&current, now);
         self.confirm_silent(&current, now).await;
-        let mut receivers = self.members.with(|t| t.receivers(leaving.is_none().then_some(me.as_str()), now));
-        if let Some(leaving) = leaving {
-            receivers.remove(leaving);
-        }
-        m::set_members_alive(receivers.len());
-        let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
-        m::record_unowned(current.unowned(&receivers), last.map_or(Duration::ZERO, |t| now - t));
         let release = |from: &str, since: u64| -> bool {
             if Some(from) == leaving {
                 return true; // we drained and released our own lease before handing over
@@ -246,8 +237,40 @@ impl Leader {
             });
             may_reassign(since, facts)
         };
+        if current.mode != mode && current.generation > 0 {
+            // A bucket of one mode holds other namespaces than the same bucket of the other:
+            // every bucket is revoked in the old mode, through the usual drain, before any is
+            // given in the new one.
+            if !current.is_vacant() {
+                tracing::warn!(from = current.mode.as_str(), to = mode.as_str(), "changing the sharding mode");
+                return vacate(&current, &release).map(|next| (next, resource_version));
+            }
+            current = Assignment { mode, objects: None, ..current };
+        }
+        let mut receivers =
+            self.members.with(|t| t.receivers(leaving.is_none().then_some(me.as_str()), mode.as_str(), now));
+        self.log_idle(mode, now);
+        if let Some(leaving) = leaving {
+            receivers.remove(leaving);
+        }
+        m::set_members_alive(receivers.len());
+        let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
+        m::record_unowned(current.unowned(&receivers), last.map_or(Duration::ZERO, |t| now - t));
         let rebalanced = if leaving.is_none() { self.rebalance(&current, &receivers) } else { None };
         next_assignment(&current, &receivers, &release, rebalanced, republish).map(|next| (next, resource_version))
+    }
+
+    /// Says once per change which renewing members get no buckets, and why.
+    fn log_idle(&self, mode: Mode, now: Instant) {
+        let idle = self.members.with(|t| t.idle(mode.as_str(), now));
+        m::set_members_idle(idle.len());
+        let mut logged = self.idle_logged.lock().unwrap_or_else(|p| p.into_inner());
+        if *logged != idle {
+            for (member, why) in &idle {
+                tracing::warn!(%member, %why, "giving this member no buckets");
+            }
+            *logged = idle;
+        }
     }
 
     /// New object counts to balance slices by, when the owners' reports of a settled
@@ -274,19 +297,8 @@ impl Leader {
 
     /// Starts the clock of every revocation we see for the first time.
     fn track_revocations(&self, current: &Assignment, now: Instant) {
-        let draining: BTreeSet<u64> = current
-            .slots
-            .iter()
-            .filter_map(|s| match s {
-                Slot::Draining { since, .. } => Some(*since),
-                _ => None,
-            })
-            .collect();
         let mut known = self.known_since.lock().unwrap_or_else(|p| p.into_inner());
-        known.retain(|g, _| draining.contains(g));
-        for since in draining {
-            known.entry(since).or_insert(now);
-        }
+        track_revocations(&mut known, current, now);
         self.lock_confirmed().retain(|(_, since)| known.contains_key(since));
     }
 
@@ -299,15 +311,7 @@ impl Leader {
     /// read of its Lease: if it still shows the renewal we saw, no renewal cycle of that
     /// member started after the revocation was written, so it stopped writing long ago.
     async fn confirm_silent(&self, current: &Assignment, now: Instant) {
-        let revoked: BTreeSet<(String, u64)> = current
-            .slots
-            .iter()
-            .filter_map(|s| match s {
-                Slot::Draining { from, since } => Some((from.clone(), *since)),
-                _ => None,
-            })
-            .collect();
-        for (from, since) in revoked {
+        for (from, since) in current.revocations() {
             if self.lock_confirmed().contains(&(from.clone(), since)) {
                 continue;
             }

@@ -12,6 +12,7 @@
 //! `sharding::slice` for why that makes a revocation safe without waiting for expiry.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,8 +28,16 @@ use tokio_util::sync::CancellationToken;
 use super::load::LoadReport;
 use super::ownership::Ownership;
 use super::published::{AssignmentView, decode};
-use super::{ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, LOAD_ANNOTATION, SEEN_ANNOTATION, ShardConfig};
+use super::{
+    ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, LOAD_ANNOTATION, MODE_ANNOTATION, NOT_WORKING_ANNOTATION, SEEN_ANNOTATION,
+    ShardConfig, VERSION_ANNOTATION,
+};
+use crate::runtime::watch_health::WatchHealth;
 use crate::telemetry::metrics as m;
+
+/// Renewal cycles in a row that could not read the assignment before a member says it
+/// cannot work: it would hold its slice without being able to act on it.
+const FAILED_READS_BEFORE_NOT_WORKING: u32 = 3;
 
 /// Why a renewal did not happen.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +65,10 @@ pub struct MemberLease {
     ack: watch::Sender<u64>,
     /// Another holder's renewal as first seen: (holder, renewTime, when we first saw it).
     foreign: Mutex<Option<(String, Option<MicroTime>, Instant)>>,
+    /// Whether the watches of our slice work: refused ones make us give the slice up.
+    watch_health: Arc<WatchHealth>,
+    /// Renewal cycles in a row whose read of the assignment failed.
+    failed_reads: AtomicU32,
 }
 
 impl MemberLease {
@@ -65,6 +78,7 @@ impl MemberLease {
         ownership: Arc<Ownership>,
         view: Arc<AssignmentView>,
         load: Arc<LoadReport>,
+        watch_health: Arc<WatchHealth>,
     ) -> Self {
         Self {
             leases: Api::namespaced(client.clone(), &config.namespace),
@@ -76,14 +90,45 @@ impl MemberLease {
             load,
             ack: watch::channel(0).0,
             foreign: Mutex::new(None),
+            watch_health,
+            failed_reads: AtomicU32::new(0),
+        }
+    }
+
+    /// Why this replica cannot do its work, if it cannot: advertised on the Lease, where the
+    /// leader reads it and gives the slice to others.
+    fn not_working(&self) -> Option<String> {
+        let failed_reads = self.failed_reads.load(Ordering::Relaxed);
+        let cycles = (failed_reads >= FAILED_READS_BEFORE_NOT_WORKING)
+            .then(|| format!("the last {failed_reads} renewal cycles could not read the assignment"));
+        match (self.watch_health.broken(), cycles) {
+            (Some(watches), Some(cycles)) => Some(format!("{watches}; {cycles}")),
+            (watches, cycles) => watches.or(cycles),
         }
     }
 
     /// Runs renewal cycles every retry period (and at once for a new acknowledgement) until `stop`.
     pub async fn keep(&self, stop: CancellationToken) {
         let mut ack = self.ack.subscribe();
+        let mut said: Option<String> = None;
+        m::set_working(true);
         loop {
+            let not_working = self.not_working();
+            if not_working != said {
+                match &not_working {
+                    Some(why) => tracing::error!(%why, "cannot do this replica's work: giving the slice up"),
+                    None => tracing::info!("working again: the leader may give this replica buckets"),
+                }
+                m::set_working(not_working.is_none());
+                said = not_working;
+            }
             self.cycle().await;
+            // A refused watch is probed again (a list of one object), after the cycle and within
+            // a retry period, so that it never delays a renewal: a replica that gave its slice
+            // up watches nothing, so nothing else would tell it that the refusal ended.
+            if self.watch_health.broken().is_some() {
+                let _ = tokio::time::timeout(self.config.retry_period, self.watch_health.probe()).await;
+            }
             // "Held" means a renewal cycle confirmed our right to write: a replica whose renewals land
             // but whose cycles never complete in time shows 0 here, and the lease alert fires.
             m::set_lease_held(self.ownership.may_write());
@@ -112,22 +157,28 @@ impl MemberLease {
         }
         // The quorum read that completes the cycle: only now may the deadline move.
         match tokio::time::timeout(self.config.renew_deadline, self.configmaps.get_opt(ASSIGNMENT_CONFIGMAP)).await {
-            Ok(Ok(Some(cm))) => match decode(&cm) {
-                Some((assignment, rv)) => {
-                    self.ownership.confirm(started, &assignment);
-                    self.view.offer(assignment, Some(rv));
+            Ok(Ok(Some(cm))) => {
+                self.failed_reads.store(0, Ordering::Relaxed);
+                match decode(&cm) {
+                    Some((assignment, rv)) => {
+                        self.ownership.confirm(started, &assignment);
+                        self.view.offer(assignment, Some(rv));
+                    }
+                    None => self.ownership.renewed(started),
                 }
-                None => self.ownership.renewed(started),
-            },
+            }
             Ok(Ok(None)) => {
+                self.failed_reads.store(0, Ordering::Relaxed);
                 self.view.gone();
                 self.ownership.renewed(started);
             }
             Ok(Err(error)) => {
+                self.failed_reads.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%error, "reading the assignment failed");
                 self.ownership.renewed(started);
             }
             Err(_) => {
+                self.failed_reads.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("reading the assignment timed out");
                 self.ownership.renewed(started);
             }
@@ -192,6 +243,12 @@ impl MemberLease {
         if seen > 0 {
             annotations.insert(SEEN_ANNOTATION.into(), seen.to_string());
         }
+        annotations.insert(MODE_ANNOTATION.into(), self.ownership.mode().as_str().into());
+        annotations.insert(VERSION_ANNOTATION.into(), env!("CARGO_PKG_VERSION").into());
+        match self.not_working() {
+            Some(why) => annotations.insert(NOT_WORKING_ANNOTATION.into(), why),
+            None => annotations.remove(NOT_WORKING_ANNOTATION),
+        };
         // Never a previous incarnation's report under our name.
         match self.load.latest() {
             Some(load) => annotations.insert(LOAD_ANNOTATION.into(), load),

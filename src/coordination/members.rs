@@ -11,9 +11,12 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{ACK_ANNOTATION, LOAD_ANNOTATION, MEMBER_LEASE_PREFIX, SEEN_ANNOTATION};
+use super::{
+    ACK_ANNOTATION, LOAD_ANNOTATION, MEMBER_LEASE_PREFIX, MODE_ANNOTATION, NOT_WORKING_ANNOTATION, SEEN_ANNOTATION,
+    VERSION_ANNOTATION,
+};
 use crate::sharding::counts::Report;
-use crate::sharding::membership::{LeaseState, MemberTable};
+use crate::sharding::membership::{Capability, LeaseState, MemberTable};
 use crate::telemetry::admin::Health;
 
 pub struct Members {
@@ -81,6 +84,12 @@ impl Members {
 
 pub fn lease_state(lease: &Lease) -> LeaseState {
     let spec = lease.spec.clone().unwrap_or_default();
+    let annotations = lease.annotations();
+    let capability = annotations.get(MODE_ANNOTATION).map(|mode| Capability {
+        mode: mode.clone(),
+        version: annotations.get(VERSION_ANNOTATION).cloned().unwrap_or_default(),
+        not_working: annotations.get(NOT_WORKING_ANNOTATION).cloned(),
+    });
     LeaseState {
         holder: spec.holder_identity,
         // Compared for change only; the serialized form is as good as any.
@@ -91,5 +100,6 @@ pub fn lease_state(lease: &Lease) -> LeaseState {
         uid: lease.uid(),
         // A malformed report only costs balancing by objects: treated as none.
         load: lease.annotations().get(LOAD_ANNOTATION).and_then(|r| Report::decode(r).ok()),
+        capability,
     }
 }

@@ -47,6 +47,11 @@ pub const SEEN_ANNOTATION: &str = "trafficpolicy.dev/seen-assignment";
 /// On a member Lease: its holder's policies per bucket (`generation/bucket:count,…`), which
 /// the leader balances slices by.
 pub const LOAD_ANNOTATION: &str = "trafficpolicy.dev/bucket-objects";
+/// On a member Lease: its holder's sharding mode (a leader gives buckets only to members
+/// of its own mode), its version, and, while it cannot do its work, why.
+pub const MODE_ANNOTATION: &str = "trafficpolicy.dev/shard-mode";
+pub const VERSION_ANNOTATION: &str = "trafficpolicy.dev/version";
+pub const NOT_WORKING_ANNOTATION: &str = "trafficpolicy.dev/not-working";
 
 /// Who we are and the lease timings, validated by the CLI.
 #[derive(Clone, Debug)]

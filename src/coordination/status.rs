@@ -81,6 +81,13 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             unowned.into_iter().collect::<Vec<_>>().join(",")
         );
     }
+    for lease in &leases.items {
+        let state = super::members::lease_state(lease);
+        let Some(holder) = state.holder.as_deref().filter(|h| !h.is_empty()) else { continue };
+        if let Some(why) = state.why_not_given(assignment.mode.as_str()) {
+            println!("replica {holder} gets no buckets: {why}");
+        }
+    }
     if shares.len() > 1 {
         let fair = policies.items.len() / shares.len();
         for (ns, count) in per_namespace.iter().filter(|(_, n)| **n > fair) {

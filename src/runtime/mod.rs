@@ -35,6 +35,7 @@ pub mod predicate;
 pub mod queue;
 pub mod stored;
 pub mod watch;
+pub mod watch_health;
 
 pub use controller::{Action, Controller, Listed, Reconciler, Settings};
 pub use key::ObjectKey;

@@ -17,12 +17,14 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use futures::stream::{AbortHandle, Abortable, BoxStream, SelectAll};
 use kube::Resource;
-use kube::api::{Api, ObjectMeta};
+use kube::api::{Api, ListParams, ObjectMeta};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
+use super::watch_health::{Probe, WatchHealth};
 use crate::telemetry::metrics;
 
 /// How a watch asks the API server for this replica's slice.
@@ -137,12 +139,13 @@ pub enum SliceEvent<K> {
 
 /// A watch of `api`, in parts, of the slice `slice` names; `fixed_labels` are always
 /// required in addition. Nothing is watched until the slice is known. Errors are counted,
-/// logged and retried with kube-runtime's default backoff.
+/// logged and retried with kube-runtime's default backoff; refusals are told to `health`.
 pub fn watch<K>(
     api: Api<K>,
     fixed_labels: Option<String>,
     slice: Slice,
     slicing: Slicing,
+    health: Arc<WatchHealth>,
 ) -> BoxStream<'static, SliceEvent<K>>
 where
     K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
@@ -150,8 +153,14 @@ where
         + DeserializeOwned
         + Debug
         + Send
+        + Sync
         + 'static,
 {
+    let selecting = move |selector: &SliceSelector| match selector {
+        SliceSelector::Labels(labels) => (api.clone(), with_fixed(&fixed_labels, Some(labels))),
+        SliceSelector::Shards(shards) => (shard_selecting(&api, shards), with_fixed(&fixed_labels, None)),
+    };
+    let probing = selecting.clone();
     let open = move |selector: Option<SliceSelector>| -> WatchEvents<K> {
         let Some(selector) = selector else {
             // Nothing to watch: an empty list, and the part counts as listed.
@@ -159,25 +168,37 @@ where
                 .chain(futures::stream::pending())
                 .boxed();
         };
-        let (api, labels) = match &selector {
-            SliceSelector::Labels(labels) => (api.clone(), with_fixed(&fixed_labels, Some(labels))),
-            SliceSelector::Shards(shards) => (shard_selecting(&api, shards), with_fixed(&fixed_labels, None)),
-        };
+        let (api, labels) = selecting(&selector);
         // A consistent list (not `any_semantic`): after a handoff, the new owner must not
         // start from an older state than the previous owner last wrote from.
         let config = labels.iter().fold(watcher::Config::default(), |c, l| c.labels(l));
         watcher(api, config).default_backoff().boxed()
     };
-    sliced(slice, slicing, Box::new(open))
+    let probe = move |selector: SliceSelector| -> Probe {
+        let (api, labels) = probing(&selector);
+        Arc::new(move || -> BoxFuture<'static, Result<(), kube::Error>> {
+            let params = ListParams { label_selector: labels.clone(), limit: Some(1), ..Default::default() };
+            let api = api.clone();
+            Box::pin(async move { api.list(&params).await.map(drop) })
+        })
+    };
+    sliced(slice, slicing, Box::new(open), Watched { health, probe: Box::new(probe) })
+}
+
+/// Where a slice watch tells of refusals, and how it lists one object with a selector.
+struct Watched {
+    health: Arc<WatchHealth>,
+    probe: Box<dyn Fn(SliceSelector) -> Probe + Send>,
 }
 
 /// [`watch`], with `open` starting the watch of a selector.
-fn sliced<K>(slice: Slice, slicing: Slicing, open: Opener<K>) -> BoxStream<'static, SliceEvent<K>>
+fn sliced<K>(slice: Slice, slicing: Slicing, open: Opener<K>, watched: Watched) -> BoxStream<'static, SliceEvent<K>>
 where
     K: Resource<DynamicType = ()> + Send + 'static,
 {
     let parts = Parts {
         open,
+        watched,
         slicing,
         owned: None,
         parts: BTreeMap::new(),
@@ -222,6 +243,7 @@ struct Part {
 
 struct Parts<K> {
     open: Opener<K>,
+    watched: Watched,
     slicing: Slicing,
     /// The slice being watched, once known.
     owned: Option<Buckets>,
@@ -290,6 +312,10 @@ where
             Err(error) => {
                 metrics::count_watch_error(&kind);
                 tracing::warn!(%kind, %error, "watch failed; retrying with backoff");
+                let selector = self.parts.get(&id).and_then(|part| (self.slicing.selector)(&part.buckets));
+                if let Some(selector) = selector {
+                    self.watched.health.failed(&kind, &error, (self.watched.probe)(selector));
+                }
                 return None;
             }
         };
@@ -304,7 +330,10 @@ where
                     return None;
                 }
             }
-            watcher::Event::Init | watcher::Event::InitDone => {}
+            // A part of no buckets lists nothing from the server: it says nothing of refusals.
+            watcher::Event::InitDone if !part.buckets.is_empty() => self.watched.health.listed(&kind),
+            watcher::Event::InitDone => {}
+            watcher::Event::Init => {}
         }
         Some(SliceEvent::Part { part: id, scope, event })
     }
@@ -351,6 +380,12 @@ mod tests {
                 (!buckets.is_empty()).then(|| SliceSelector::Labels(names.join(",")))
             },
         )
+    }
+
+    /// Health that no test's watch is refused by.
+    fn watched() -> Watched {
+        let works: Probe = Arc::new(|| -> BoxFuture<'static, Result<(), kube::Error>> { Box::pin(async { Ok(()) }) });
+        Watched { health: WatchHealth::new(), probe: Box::new(move |_| works.clone()) }
     }
 
     fn in_bucket(bucket: &str) -> ConfigMap {
@@ -403,7 +438,7 @@ mod tests {
     async fn a_gain_lists_only_what_was_gained_and_a_loss_relists_nothing() {
         let opened = Arc::new(Mutex::new(Vec::new()));
         let (slice_tx, slice) = tokio::sync::watch::channel(None);
-        let mut events = sliced(slice, slicing(), lister(opened.clone()));
+        let mut events = sliced(slice, slicing(), lister(opened.clone()), watched());
 
         slice_tx.send_replace(Some(Buckets::from([1, 2])));
         assert_eq!(until_listed(&mut events).await, ["0: ns-1", "0: ns-2", "0: listed {1, 2}"]);
@@ -421,7 +456,7 @@ mod tests {
     async fn a_gain_past_the_most_parts_folds_them_into_one_watch() {
         let opened = Arc::new(Mutex::new(Vec::new()));
         let (slice_tx, slice) = tokio::sync::watch::channel(None);
-        let mut events = sliced(slice, slicing(), lister(opened.clone()));
+        let mut events = sliced(slice, slicing(), lister(opened.clone()), watched());
         let mut owned = Buckets::new();
         for bucket in 1..=MAX_PARTS as u16 {
             owned.insert(bucket);
@@ -459,7 +494,7 @@ mod tests {
         });
         let slicing = Slicing::new(by_label, |ns| ns.trim_start_matches("ns-").parse().unwrap(), |_| None);
         let (slice_tx, slice) = tokio::sync::watch::channel(None);
-        let mut events = sliced(slice, slicing, open);
+        let mut events = sliced(slice, slicing, open, watched());
         slice_tx.send_replace(Some(Buckets::from([1])));
         assert_eq!(until_listed(&mut events).await, ["0: ns-5", "0: listed {1}"]);
     }

@@ -80,9 +80,6 @@ impl Default for Assignment {
 impl Assignment {
     /// An assignment to publish anew in place of one that was lost, at `generation`: every
     /// bucket revoked from an unknown owner, since whoever held it may still be writing.
-    ///
-    /// The same serves a change of mode: a bucket of the new mode holds namespaces of any
-    /// bucket of the old one, so nothing may be given until every old owner has let go.
     pub fn after_loss(generation: u64, mode: Mode) -> Self {
         let revoked = Slot::Draining { from: UNKNOWN_OWNER.into(), since: generation };
         Self { generation, slots: vec![revoked; usize::from(BUCKETS)], mode, objects: None }
@@ -134,6 +131,20 @@ impl Assignment {
             }
         }
         shares
+    }
+
+    /// Whether no bucket is owned or draining.
+    pub fn is_vacant(&self) -> bool {
+        self.slots.iter().all(|slot| *slot == Slot::Free)
+    }
+
+    /// The revocations under way: (the member revoked from, the revoking generation).
+    pub fn revocations(&self) -> BTreeSet<(String, u64)> {
+        let draining = self.slots.iter().filter_map(|slot| match slot {
+            Slot::Draining { from, since } => Some((from.clone(), *since)),
+            _ => None,
+        });
+        draining.collect()
     }
 
     /// The ConfigMap data: `generation`, `mode`, `members` (comma-separated) and `slots`, one
@@ -297,6 +308,33 @@ pub fn next_assignment(
     })
 }
 
+/// A step of a change of mode: every bucket still owned is revoked, and each revoked one is
+/// freed once its owner has let go; `None` when nothing can change yet. The new mode starts
+/// from an assignment in which every bucket is free ([`Assignment::is_vacant`]).
+pub fn vacate(current: &Assignment, release: &impl Release) -> Option<Assignment> {
+    let next = current.generation + 1;
+    let slots: Vec<Slot> = current
+        .slots
+        .iter()
+        .map(|slot| match slot {
+            Slot::Owned { member, .. } => Slot::Draining { from: member.clone(), since: next },
+            Slot::Draining { from, since } if release.let_go(from, *since) => Slot::Free,
+            other => other.clone(),
+        })
+        .collect();
+    (slots != current.slots).then(|| Assignment { generation: next, slots, ..current.clone() })
+}
+
+/// Keeps `known_since` (when the leader first knew each revoking generation, by its own
+/// clock) to the revocations under way in `current`, starting the clock of new ones.
+pub fn track_revocations<T: Copy>(known_since: &mut BTreeMap<u64, T>, current: &Assignment, now: T) {
+    let draining: BTreeSet<u64> = current.revocations().into_iter().map(|(_, since)| since).collect();
+    known_since.retain(|generation, _| draining.contains(generation));
+    for since in draining {
+        known_since.entry(since).or_insert(now);
+    }
+}
+
 /// The facts the leader has about one draining member, for [`may_reassign`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DrainFacts {
@@ -431,8 +469,12 @@ pub(crate) mod tests {
         assert_eq!(a.mode, Mode::ShardSelector);
         assert_eq!(a.owned_by("a", Mode::ShardSelector).len(), usize::from(BUCKETS));
         assert!(a.owned_by("a", Mode::Labels).is_empty(), "its buckets would be other namespaces");
-        let switched = Assignment::after_loss(a.generation + 1, Mode::Labels);
-        assert!(switched.slots.iter().all(|s| matches!(s, Slot::Draining { .. })), "nothing given before all let go");
+        // A change of mode: every bucket revoked in the old mode, and freed once its owner let go.
+        let revoked = vacate(&a, &never).unwrap();
+        assert!(revoked.slots.iter().all(|s| matches!(s, Slot::Draining { from, .. } if from == "a")));
+        assert!(vacate(&revoked, &never).is_none(), "nothing is freed before its owner lets go");
+        let freed = vacate(&revoked, &|_: &str, _: u64| true).unwrap();
+        assert!(freed.is_vacant() && freed.generation > revoked.generation);
     }
 
     #[test]

@@ -45,11 +45,38 @@ pub struct LeaseState {
     pub uid: Option<String>,
     /// What the holder holds, per bucket (see `sharding::balance`).
     pub load: Option<Report>,
+    /// What the holder says it can do; `None` from a version that did not say.
+    pub capability: Option<Capability>,
+}
+
+/// What a member advertises on its Lease: a leader gives buckets only to members that
+/// compute buckets as it does and can watch and write them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Capability {
+    /// Its sharding mode, as `Mode::as_str` spells it.
+    pub mode: String,
+    pub version: String,
+    /// Why it cannot do its work (watches refused, renewal cycles that never complete);
+    /// `None` while it works.
+    pub not_working: Option<String>,
 }
 
 impl LeaseState {
     fn holder(&self) -> Option<&str> {
         self.holder.as_deref().filter(|h| !h.is_empty())
+    }
+
+    /// Why its holder may not be given buckets of an assignment in `mode`; `None` if it may.
+    pub fn why_not_given(&self, mode: &str) -> Option<String> {
+        match &self.capability {
+            None => Some("it does not advertise its sharding mode (an older version)".into()),
+            Some(c) if c.mode != mode => Some(format!("it shards in {} mode, the fleet in {mode}", c.mode)),
+            Some(c) => c.not_working.clone(),
+        }
+    }
+
+    fn can_work_in(&self, mode: &str) -> bool {
+        self.why_not_given(mode).is_none()
     }
 }
 
@@ -152,20 +179,36 @@ impl MemberTable {
         }
     }
 
-    /// The incarnations that may be given buckets: seen renewing, plus `me` when given.
-    pub fn receivers(&self, me: Option<&str>, now: Instant) -> BTreeSet<String> {
+    /// The incarnations that may be given buckets of an assignment in `mode`: seen renewing
+    /// and advertising that they work in `mode`; plus `me` when given, unless our own Lease
+    /// (as last seen) says we cannot.
+    pub fn receivers(&self, me: Option<&str>, mode: &str, now: Instant) -> BTreeSet<String> {
         let mut receivers: BTreeSet<String> = self
             .members
             .values()
+            .filter(|seen| seen.state.can_work_in(mode))
             .filter_map(|seen| seen.state.holder())
             .filter(|holder| self.liveness(holder, now) == Liveness::Renewing)
             .map(str::to_string)
             .collect();
         if let Some(me) = me {
             receivers.retain(|m| pod_of(m) != pod_of(me));
-            receivers.insert(me.to_string());
+            let mine = self.members.get(pod_of(me)).map(|seen| &seen.state).filter(|s| s.holder() == Some(me));
+            if mine.is_none_or(|state| state.can_work_in(mode)) {
+                receivers.insert(me.to_string());
+            }
         }
         receivers
+    }
+
+    /// The members that renew but may not be given buckets in `mode`, with why: for the
+    /// `shards` command and the leader's log.
+    pub fn idle(&self, mode: &str, now: Instant) -> BTreeMap<String, String> {
+        let idle = self.members.values().filter_map(|seen| {
+            let holder = seen.state.holder().filter(|h| self.liveness(h, now) == Liveness::Renewing)?;
+            Some((holder.to_string(), seen.state.why_not_given(mode)?))
+        });
+        idle.collect()
     }
 
     /// The generation `incarnation` acknowledged, read from its own Lease.
@@ -236,8 +279,11 @@ mod tests {
             seen_generation: None,
             uid: Some("uid-1".into()),
             load: None,
+            capability: Some(Capability { mode: MODE.into(), version: "1".into(), not_working: None }),
         }
     }
+
+    const MODE: &str = "labels";
 
     #[test]
     fn incarnations_name_their_pod() {
@@ -251,12 +297,12 @@ mod tests {
         let mut table = MemberTable::default();
         table.observe("a", lease("a_1", "r1"), t0);
         assert_eq!(table.liveness("a_1", t0), Liveness::MayBeAlive, "first sight is not a renewal");
-        assert!(table.receivers(None, t0).is_empty(), "a ghost gets nothing");
+        assert!(table.receivers(None, MODE, t0).is_empty(), "a ghost gets nothing");
         table.observe("a", lease("a_1", "r1"), t0 + S(5));
         assert_eq!(table.liveness("a_1", t0 + S(5)), Liveness::MayBeAlive, "a relist is not a renewal");
         table.observe("a", lease("a_1", "r2"), t0 + S(6));
         assert_eq!(table.liveness("a_1", t0 + S(6)), Liveness::Renewing);
-        assert_eq!(table.receivers(None, t0 + S(6)), BTreeSet::from(["a_1".to_string()]));
+        assert_eq!(table.receivers(None, MODE, t0 + S(6)), BTreeSet::from(["a_1".to_string()]));
         assert_eq!(table.liveness("a_1", t0 + S(21)), Liveness::Expired, "no renewal for a lease duration");
         assert_eq!(table.silent("a_1", t0 + S(21)).as_deref(), Some("r2"));
         assert_eq!(table.silent("a_1", t0 + S(20)), None);
@@ -270,7 +316,7 @@ mod tests {
         table.observe("a", lease("a_1", "1999-01-01T00:00:01Z"), t0);
         table.observe("b", lease("b_1", "2999-01-01T00:00:00Z"), t0);
         table.observe("b", lease("b_1", "2999-01-01T00:00:01Z"), t0);
-        assert_eq!(table.receivers(None, t0 + S(1)).len(), 2);
+        assert_eq!(table.receivers(None, MODE, t0 + S(1)).len(), 2);
     }
 
     #[test]
@@ -281,7 +327,7 @@ mod tests {
         table.observe("a", lease("a_1", "r2"), t0 + S(1));
         table.deleted("a");
         assert_eq!(table.liveness("a_1", t0 + S(2)), Liveness::MayBeAlive, "never 'gone at once'");
-        assert!(table.receivers(None, t0 + S(2)).is_empty(), "but given nothing more");
+        assert!(table.receivers(None, MODE, t0 + S(2)).is_empty(), "but given nothing more");
         assert_eq!(table.liveness("a_1", t0 + S(16)), Liveness::Expired);
     }
 
@@ -343,7 +389,35 @@ mod tests {
         let mut table = MemberTable::default();
         table.observe("a", lease("a_1", "r1"), t0);
         table.observe("a", lease("a_1", "r2"), t0);
-        assert_eq!(table.receivers(Some("a_2"), t0), BTreeSet::from(["a_2".to_string()]));
+        assert_eq!(table.receivers(Some("a_2"), MODE, t0), BTreeSet::from(["a_2".to_string()]));
+    }
+
+    #[test]
+    fn only_members_that_work_in_the_fleets_mode_receive_buckets() {
+        let t0 = Instant::now();
+        let mut table = MemberTable::default();
+        let with = |holder: &str, renew: &str, capability: Option<Capability>| LeaseState {
+            capability,
+            ..lease(holder, renew)
+        };
+        let works_in = |mode: &str| Some(Capability { mode: mode.into(), version: "1".into(), not_working: None });
+        let broken =
+            Some(Capability { not_working: Some("the watch of X is refused: 403".into()), ..works_in(MODE).unwrap() });
+        for (pod, capability) in
+            [("a", works_in(MODE)), ("b", works_in("shard-selector")), ("c", broken.clone()), ("d", None)]
+        {
+            table.observe(pod, with(&format!("{pod}_1"), "r1", capability.clone()), t0);
+            table.observe(pod, with(&format!("{pod}_1"), "r2", capability), t0);
+        }
+        assert_eq!(table.receivers(None, MODE, t0), BTreeSet::from(["a_1".to_string()]));
+        assert_eq!(table.receivers(None, "shard-selector", t0), BTreeSet::from(["b_1".to_string()]));
+        let idle = table.idle(MODE, t0);
+        assert_eq!(idle.keys().cloned().collect::<Vec<_>>(), ["b_1", "c_1", "d_1"]);
+        assert!(idle["b_1"].contains("shard-selector mode"), "{idle:?}");
+        assert!(idle["c_1"].contains("403"), "{idle:?}");
+        // Our own Lease, once it says we cannot work, keeps us out too.
+        assert!(!table.receivers(Some("c_1"), MODE, t0).contains("c_1"));
+        assert!(table.receivers(Some("e_1"), MODE, t0).contains("e_1"), "not yet seen: we count ourselves in");
     }
 
     #[test]

@@ -95,6 +95,14 @@ fn describe() {
     );
     describe_gauge!("leader_election_master_status", "1 while this replica is the leader.");
     describe_gauge!("traffic_policy_members_alive", "Replicas this replica sees alive, from observed lease renewals.");
+    describe_gauge!(
+        "traffic_policy_members_idle",
+        "Replicas that renew their Lease but get no buckets: another sharding mode, refused watches (leader)."
+    );
+    describe_gauge!(
+        "traffic_policy_working",
+        "1 while this replica can do its work (watches not refused, renewal cycles complete); 0 gives its slice up."
+    );
     describe_gauge!("traffic_policy_buckets_owned", "Namespace buckets this replica owns.");
     describe_counter!("traffic_policy_bucket_handoffs_total", "Buckets acquired or released by this replica.");
     describe_gauge!("traffic_policy_unowned_buckets", "Buckets no live replica owns (reported by the leader).");
@@ -138,6 +146,14 @@ pub fn set_slice_imbalance(ratio: f64) {
 
 pub fn set_members_alive(count: usize) {
     gauge!("traffic_policy_members_alive").set(count as f64);
+}
+
+pub fn set_members_idle(count: usize) {
+    gauge!("traffic_policy_members_idle").set(count as f64);
+}
+
+pub fn set_working(working: bool) {
+    gauge!("traffic_policy_working").set(if working { 1.0 } else { 0.0 });
 }
 
 /// The client-side rate limit in force, in requests per second; 0 when off.

@@ -9,7 +9,9 @@
 //! process acts at least once a tick (a tick waits for them), in any order with the others.
 //! Two members; one bucket, the first the ring gives to member `a`; one leader, or two at
 //! once. One fault in the first ticks: a member crashes or pauses past its lease duration,
-//! or the assignment is deleted, or an older copy of it is restored.
+//! or the assignment is deleted, or an older copy of it is restored, or the operator is
+//! reinstalled (its namespace with the assignment and every Lease deleted, every process
+//! started again; only the generation floor on the CRD survives).
 //!
 //! Properties:
 //! - no write the server accepted came from a member after the bucket was granted to another
@@ -29,10 +31,10 @@ use stateright::{Checker, HasDiscoveries, Model, Property};
 use tokio::time::Instant;
 use traffic_policy_operator::coordination::published::Published;
 use traffic_policy_operator::sharding::assignment::{
-    Assignment, DrainFacts, Slot, may_reassign, next_assignment, plan, starting_point,
+    Assignment, DrainFacts, Slot, may_reassign, next_assignment, plan, starting_point, track_revocations,
 };
 use traffic_policy_operator::sharding::bucket::{Bucket, Mode};
-use traffic_policy_operator::sharding::membership::{LeaseState, Liveness, MemberTable, pod_of};
+use traffic_policy_operator::sharding::membership::{Capability, LeaseState, Liveness, MemberTable, pod_of};
 use traffic_policy_operator::sharding::slice::Slice;
 
 const LEASE: u64 = 4;
@@ -142,6 +144,28 @@ struct Leader {
     acted: bool,
 }
 
+impl Member {
+    fn started(incarnation: &str) -> Self {
+        Self {
+            run: Run::Running,
+            slice: Slice::new(incarnation, MODE, Duration::from_secs(RENEW_DEADLINE)),
+            cycled: false,
+        }
+    }
+}
+
+impl Leader {
+    fn started() -> Self {
+        Self {
+            view: None,
+            table: MemberTable::default(),
+            known_since: BTreeMap::new(),
+            confirmed_silent: BTreeSet::new(),
+            acted: false,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Write {
     member: usize,
@@ -185,6 +209,7 @@ enum Action {
     DeleteAssignment,
     SaveCopy,
     RestoreCopy,
+    Reinstall,
 }
 
 /// The faults one model injects (one of them, once).
@@ -194,6 +219,8 @@ enum Faults {
     Members,
     /// The assignment is deleted, or an older copy restored over it.
     Assignment,
+    /// The operator is uninstalled and installed again.
+    Reinstall,
 }
 
 struct Protocol {
@@ -201,11 +228,13 @@ struct Protocol {
     faults: Faults,
     /// The rule for giving a revoked bucket away: `may_reassign`, or a broken one.
     release: fn(u64, DrainFacts) -> bool,
+    /// Whether a leader publishing anew starts above the floor reserved on the CRD.
+    floor: bool,
 }
 
 impl Protocol {
     fn correct(leaders: usize, faults: Faults) -> Self {
-        Self { leaders, faults, release: may_reassign }
+        Self { leaders, faults, release: may_reassign, floor: true }
     }
 
     fn lease_state(lease: &Lease) -> LeaseState {
@@ -217,6 +246,7 @@ impl Protocol {
             seen_generation: Some(lease.seen),
             uid: Some(format!("uid-{}", pod_of(&lease.holder))),
             load: None,
+            capability: Some(Capability { mode: MODE.as_str().into(), version: "model".into(), not_working: None }),
         }
     }
 
@@ -227,21 +257,9 @@ impl Protocol {
             Some(v) => (Some(v.stored.full()), v.resource_version.clone(), v.republish),
             None => (None, None, true),
         };
-        let reserved = if republish { state.floor } else { 0 };
+        let reserved = if republish && self.floor { state.floor } else { 0 };
         let current = starting_point(known, republish, reserved, leader.table.highest_generation(), MODE);
-        // Leader::track_revocations
-        let draining: BTreeSet<u64> = current
-            .slots
-            .iter()
-            .filter_map(|s| match s {
-                Slot::Draining { since, .. } => Some(*since),
-                _ => None,
-            })
-            .collect();
-        leader.known_since.retain(|g, _| draining.contains(g));
-        for since in &draining {
-            leader.known_since.entry(*since).or_insert(now);
-        }
+        track_revocations(&mut leader.known_since, &current, now);
         // Leader::confirm_silent: a quorum read of the member's Lease.
         if let Slot::Draining { from, since } = &current.slots[usize::from(tracked())]
             && let Some(marker) = leader.table.silent(from, at(now))
@@ -251,7 +269,7 @@ impl Protocol {
         {
             leader.confirmed_silent.insert((from.clone(), *since));
         }
-        let receivers = leader.table.receivers(None, at(now));
+        let receivers = leader.table.receivers(None, MODE.as_str(), at(now));
         let release = |from: &str, since: u64| {
             let facts = DrainFacts {
                 acked: leader.table.acked_generation(from),
@@ -305,23 +323,11 @@ impl Model for Protocol {
     type Action = Action;
 
     fn init_states(&self) -> Vec<State> {
-        let member = |m: &str| Member {
-            run: Run::Running,
-            slice: Slice::new(m, MODE, Duration::from_secs(RENEW_DEADLINE)),
-            cycled: false,
-        };
-        let leader = Leader {
-            view: None,
-            table: MemberTable::default(),
-            known_since: BTreeMap::new(),
-            confirmed_silent: BTreeSet::new(),
-            acted: false,
-        };
         vec![State {
             now: 0,
-            members: MEMBERS.iter().map(|m| member(m)).collect(),
+            members: MEMBERS.iter().map(|m| Member::started(m)).collect(),
             leases: BTreeMap::new(),
-            leaders: vec![leader; self.leaders],
+            leaders: vec![Leader::started(); self.leaders],
             stored: None,
             versions: 0,
             backup: None,
@@ -386,6 +392,12 @@ impl Model for Protocol {
                 }
                 if state.backup.as_ref().is_some_and(|copy| state.stored.as_ref().is_some_and(|(_, s)| s != copy)) {
                     actions.push(Action::RestoreCopy);
+                }
+            }
+            // An uninstall stops every process gracefully: nothing of theirs is in flight.
+            Faults::Reinstall => {
+                if state.stored.is_some() && state.writes.is_empty() {
+                    actions.push(Action::Reinstall);
                 }
             }
         }
@@ -484,6 +496,17 @@ impl Model for Protocol {
                 state.stored = Some((state.versions, state.backup.clone()?));
                 Self::fault(&mut state);
             }
+            Action::Reinstall => {
+                // The operator's namespace goes with the assignment and the Leases; the new
+                // install's processes know nothing. The CRD, its floor and the children stay.
+                state.stored = None;
+                state.leases.clear();
+                state.members = MEMBERS.iter().map(|m| Member::started(m)).collect();
+                state.leaders = vec![Leader::started(); self.leaders];
+                // The new install's first grant is a new grant, even to a namesake of the last owner.
+                state.granted = state.granted.take().map(|(_, epoch)| ("(the previous install)".to_string(), epoch));
+                Self::fault(&mut state);
+            }
         }
         Some(state)
     }
@@ -543,6 +566,19 @@ fn members_crashing_or_pausing_under_two_leaders_at_once() {
 #[test]
 fn the_assignment_deleted_or_rolled_back() {
     keeps_every_property("deleted or restored assignment", Protocol::correct(1, Faults::Assignment));
+}
+
+#[test]
+fn a_reinstall_of_the_operator() {
+    keeps_every_property("reinstall", Protocol::correct(1, Faults::Reinstall));
+}
+
+#[test]
+fn a_reinstall_without_the_generation_floor_fails_with_a_trace() {
+    let broken = Protocol { floor: false, ..Protocol::correct(1, Faults::Reinstall) };
+    let checker = check(broken, 0);
+    let trace = checker.discovery("tokens never go backwards").expect("without the floor, epochs start again");
+    println!("counterexample in {} steps: {:?}", trace.clone().into_actions().len(), trace.into_actions());
 }
 
 #[test]

@@ -1,0 +1,153 @@
+//! Whether this process's watches work. A watch that the API server keeps *refusing*
+//! (forbidden by RBAC, a selector it rejects, a resource it does not serve) is not a hiccup
+//! to retry quietly for ever: whoever hands out work (the sharding layer) reads
+//! [`WatchHealth::broken`] and gives the work to someone else.
+//!
+//! A process that holds no work watches nothing, so a refusal is only cleared by a list that
+//! succeeds: a later watch's, or the refused watch's own probe, a list of one object with the
+//! same selector, which [`WatchHealth::probe`] runs.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use kube::runtime::watcher;
+
+/// Refusals in a row (the watcher retries with backoff, about 0.8 s, then 1.6 s) before a
+/// watch counts as broken: one 403 while RBAC is being installed is not enough.
+pub const REFUSALS_BEFORE_BROKEN: u32 = 2;
+
+/// A list of one object with the refused watch's selector.
+pub type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), kube::Error>> + Send + Sync>;
+
+#[derive(Default)]
+pub struct WatchHealth {
+    /// By resource kind: the watches refused since their last successful list.
+    refused: Mutex<BTreeMap<String, Refused>>,
+}
+
+struct Refused {
+    reason: String,
+    times: u32,
+    probe: Probe,
+}
+
+impl WatchHealth {
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// A watch of `kind` failed: counted if the server refused it, ignored otherwise.
+    pub fn failed(&self, kind: &str, error: &watcher::Error, probe: Probe) {
+        let Some(reason) = refusal(error) else { return };
+        let mut refused = self.lock();
+        let entry =
+            refused.entry(kind.to_string()).or_insert_with(|| Refused { reason: String::new(), times: 0, probe });
+        entry.times += 1;
+        entry.reason = format!("the watch of {kind} is refused: {reason}");
+    }
+
+    /// A watch of `kind` listed: it works.
+    pub fn listed(&self, kind: &str) {
+        self.lock().remove(kind);
+    }
+
+    /// Why the watches do not work, once one has been refused [`REFUSALS_BEFORE_BROKEN`] times.
+    pub fn broken(&self) -> Option<String> {
+        let refused = self.lock();
+        let broken = refused.values().filter(|r| r.times >= REFUSALS_BEFORE_BROKEN).map(|r| r.reason.clone());
+        broken.reduce(|a, b| format!("{a}; {b}"))
+    }
+
+    /// Lists with each refused watch's selector; a kind whose list succeeds works again.
+    pub async fn probe(&self) {
+        let probes: Vec<(String, Probe)> = self.lock().iter().map(|(k, r)| (k.clone(), r.probe.clone())).collect();
+        for (kind, probe) in probes {
+            match probe().await {
+                Ok(()) => {
+                    tracing::info!(%kind, "the refused watch's list succeeds now");
+                    self.listed(&kind);
+                }
+                Err(error) => tracing::debug!(%kind, %error, "the refused watch's list still fails"),
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Refused>> {
+        self.refused.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What the API server said, if it refused the request for good: a client error other than
+/// the ones a retry cures (410 Gone relists, 429 and 408 wait).
+fn refusal(error: &watcher::Error) -> Option<String> {
+    let status = match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.as_ref(),
+        watcher::Error::WatchError(s) => s.as_ref(),
+        _ => return None,
+    };
+    let refused = (400..500).contains(&status.code) && ![408, 410, 429].contains(&status.code);
+    refused.then(|| format!("{} {}", status.code, status.message))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use kube::core::Status;
+
+    use super::*;
+
+    fn answer(code: u16) -> watcher::Error {
+        let status = Status { code, message: format!("answer {code}"), ..Default::default() };
+        watcher::Error::InitialListFailed(kube::Error::Api(Box::new(status)))
+    }
+
+    fn probe(works: Arc<AtomicBool>) -> Probe {
+        Arc::new(move || -> BoxFuture<'static, Result<(), kube::Error>> {
+            let works = works.load(Ordering::SeqCst);
+            Box::pin(async move {
+                match works {
+                    true => Ok(()),
+                    false => Err(kube::Error::Api(Box::new(Status { code: 403, ..Default::default() }))),
+                }
+            })
+        })
+    }
+
+    #[tokio::test]
+    async fn refusals_in_a_row_break_a_watch_until_a_list_succeeds() {
+        let health = WatchHealth::default();
+        let works = Arc::new(AtomicBool::new(false));
+        health.failed("NetworkPolicy", &answer(403), probe(works.clone()));
+        assert_eq!(health.broken(), None, "one refusal is not enough");
+        health.failed("NetworkPolicy", &answer(403), probe(works.clone()));
+        let reason = health.broken().expect("broken after two");
+        assert!(reason.contains("NetworkPolicy") && reason.contains("403"), "{reason}");
+
+        health.probe().await;
+        assert!(health.broken().is_some(), "the probe is refused too");
+        works.store(true, Ordering::SeqCst);
+        health.probe().await;
+        assert_eq!(health.broken(), None, "the probe's list succeeded");
+
+        health.failed("ConfigMap", &answer(400), probe(works.clone()));
+        health.failed("ConfigMap", &answer(400), probe(works));
+        assert!(health.broken().is_some());
+        health.listed("ConfigMap");
+        assert_eq!(health.broken(), None);
+    }
+
+    #[test]
+    fn what_a_retry_cures_is_not_a_refusal() {
+        let health = WatchHealth::default();
+        for code in [410, 429, 408, 500, 503, 504] {
+            health.failed("X", &answer(code), probe(Arc::default()));
+            health.failed("X", &answer(code), probe(Arc::default()));
+        }
+        health.failed("X", &watcher::Error::NoResourceVersion, probe(Arc::default()));
+        assert_eq!(health.broken(), None);
+    }
+}

@@ -1,0 +1,130 @@
+//! Membership that knows what a replica can do: a replica that cannot watch its slice, or
+//! that shards in another mode than the fleet, is given no buckets, says why, and every
+//! policy keeps converging, judged from the API server.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::ResourceExt;
+use traffic_policy_operator::coordination::{MEMBER_LEASE_PREFIX, MODE_ANNOTATION, NOT_WORKING_ANNOTATION};
+
+use crate::SERIAL;
+use crate::common::eventually;
+use crate::fleet::{Fleet, lease_duration};
+
+/// What replica `pod`'s member Lease says: its holder and annotations.
+async fn member_lease(fleet: &Fleet, pod: &str) -> Option<(String, std::collections::BTreeMap<String, String>)> {
+    let lease = fleet.env.api::<Lease>().get_opt(&format!("{MEMBER_LEASE_PREFIX}{pod}")).await.ok()??;
+    let holder = lease.spec.as_ref()?.holder_identity.clone().filter(|h| !h.is_empty())?;
+    Some((holder, lease.annotations().clone()))
+}
+
+/// Waits until replica `pod` has renewed its member Lease twice: the leader takes it for alive.
+async fn renewing(fleet: &Fleet, pod: &str) -> String {
+    let renewals = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    eventually(&format!("{pod} renews its member Lease"), || async {
+        let lease = fleet.env.api::<Lease>().get_opt(&format!("{MEMBER_LEASE_PREFIX}{pod}")).await.ok()??;
+        let spec = lease.spec?;
+        let holder = spec.holder_identity.filter(|h| !h.is_empty())?;
+        let mut seen = renewals.lock().unwrap();
+        seen.insert(serde_json::to_string(&spec.renew_time?).ok()?);
+        (seen.len() >= 3).then_some(holder)
+    })
+    .await
+}
+
+/// How long a spec change of every policy takes to converge.
+async fn every_change_converges(fleet: &Fleet, what: &str) -> Duration {
+    let started = Instant::now();
+    fleet.change_every_policy().await;
+    fleet.converged(what).await;
+    started.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_watches_are_refused_gives_its_slice_up_until_they_are_allowed() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("refused", 8).await;
+    fleet.start("r-0").await;
+    fleet.converged("the initial creation").await;
+    // r-1 may do everything but list and watch NetworkPolicies (an RBAC mistake).
+    let role = "traffic-policy-operator-refused-watch";
+    let refuse_watch = |rule: &mut k8s_openapi::api::rbac::v1::PolicyRule| {
+        if rule.resources.iter().flatten().any(|r| r == "networkpolicies") {
+            rule.verbs.retain(|v| v != "list" && v != "watch");
+        }
+    };
+    fleet.env.limited_cluster_role(role, refuse_watch).await;
+    fleet.start_unready("r-1", role, &[]).await;
+    let holder = renewing(&fleet, "r-1").await;
+    let took = every_change_converges(&fleet, "a spec change, with r-1's watches refused").await;
+    let why = eventually("r-1 says on its Lease why it cannot work", || async {
+        member_lease(&fleet, "r-1").await?.1.get(NOT_WORKING_ANNOTATION).cloned()
+    })
+    .await;
+    assert!(why.contains("NetworkPolicy") && why.contains("403"), "the reason names the watch and the refusal: {why}");
+    assert!(
+        !fleet.assignment().await.shares().contains_key(&holder),
+        "r-1 holds no buckets while it cannot watch them"
+    );
+
+    // Allowed again: its probe sees the list succeed, it says it works, and it is given buckets.
+    fleet.env.limited_cluster_role(role, |_| {}).await;
+    eventually("r-1 works again and is given buckets", || async {
+        let (holder, annotations) = member_lease(&fleet, "r-1").await?;
+        let given = fleet.assignment().await.shares().contains_key(&holder);
+        (!annotations.contains_key(NOT_WORKING_ANNOTATION) && given).then_some(())
+    })
+    .await;
+    let took_after = every_change_converges(&fleet, "r-1 was allowed to watch again").await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: refused watches ({why}): every policy converged in {took:?} without r-1, {took_after:?} \
+         with it again; {} writes seen by the server, {} overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+    assert_eq!(verdict.fenced, 0, "no write was fenced");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_two_modes_leaves_no_namespace_unreconciled() {
+    let _turn = SERIAL.lock().await;
+    if !controlplane::sharded_list_and_watch() {
+        // Without the shard selector every replica shards by labels: there is no second mode.
+        println!("skipped: this kube-apiserver has no shard selector, so one mode is all a fleet can have");
+        return;
+    }
+    let mut fleet = Fleet::new("two-modes", 8).await;
+    fleet.start("r-0").await;
+    fleet.converged("the initial creation").await;
+    // A replica started with another mode (a flag set by hand, or a fleet mid-upgrade).
+    fleet.start_unready("r-1", "traffic-policy-operator", &["--shard-mode=labels"]).await;
+    let holder = renewing(&fleet, "r-1").await;
+    let bound = lease_duration() + Duration::from_secs(5);
+    let took = every_change_converges(&fleet, "a spec change, with a replica of the other mode").await;
+    assert!(took <= bound, "every namespace was reconciled within {bound:?}: {took:?}");
+    assert!(!fleet.assignment().await.shares().contains_key(&holder), "r-1 is given nothing in the fleet's mode");
+    let (_, annotations) = member_lease(&fleet, "r-1").await.expect("r-1 holds its Lease");
+    assert_eq!(annotations.get(MODE_ANNOTATION).map(String::as_str), Some("labels"), "r-1 advertises its mode");
+
+    // The shard-selector replica leaves: the label-mode one leads, revokes every bucket of the
+    // old mode, and takes them in its own.
+    let left = Instant::now();
+    fleet.terminate("r-0");
+    fleet.change_every_policy().await;
+    fleet.converged("the replica of the fleet's mode left").await;
+    let handover = left.elapsed();
+    assert_eq!(fleet.assignment().await.mode.as_str(), "labels");
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: two modes in one fleet: changes converged in {took:?} with r-1 idle, {handover:?} from \
+         the shard-selector replica's exit to every change applied in label mode; {} writes seen by the server, {} \
+         overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+    assert!(handover <= bound, "the mode change left namespaces unreconciled for {handover:?}, over {bound:?}");
+}
