@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use http::{Request, Response};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnectorBuilder};
 use hyper_timeout::TimeoutConnector;
@@ -16,7 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kube::client::retry::RetryPolicy;
 use kube::client::{Body, ClientBuilder, ConfigExt, DynBody};
-use tower::retry::RetryLayer;
+use tower::retry::{Policy, RetryLayer};
 use tower::util::BoxService;
 use tower::{BoxError, ServiceBuilder, ServiceExt};
 
@@ -24,7 +24,7 @@ use tower::{BoxError, ServiceBuilder, ServiceExt};
 pub type Stack = BoxService<Request<Body>, Response<Box<DynBody>>, BoxError>;
 
 /// What `ClientBuilder::try_from(config)` builds (TLS as the kubeconfig says, base URI, kube's
-/// retry of 429, 503 and 504, authentication, extra headers, and the connect and write
+/// retry of 429, 503 and 504 but for writes answered 503 or 504 ([`WritesMayLand`]), authentication, extra headers, and the connect and write
 /// timeouts), with `h2` offered before `http/1.1` if `http2`. Left out: kube's tracing span
 /// per request and its error log per failed response (the request metrics layer counts and
 /// times every request, by status), and the expiry of client certificates that an exec
@@ -65,7 +65,7 @@ pub fn builder(config: &kube::Config, http2: bool) -> anyhow::Result<ClientBuild
         .build::<_, Body>(connector);
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
-        .option_layer(config.default_retry.then(|| RetryLayer::new(RetryPolicy::server_retry())))
+        .option_layer(config.default_retry.then(|| RetryLayer::new(WritesMayLand(RetryPolicy::server_retry()))))
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
         .map_err(BoxError::from)
@@ -74,9 +74,54 @@ pub fn builder(config: &kube::Config, http2: bool) -> anyhow::Result<ClientBuild
     Ok(ClientBuilder::new(BoxService::new(service), config.default_namespace.clone()))
 }
 
+/// kube's retry policy, except that a write answered 503 or 504 is not sent again: it may
+/// still be applied (a proxy's timeout, a server whose storage was slow), and its writer
+/// keeps it registered as in flight from its own send time until its bound has passed
+/// (`runtime::gate::bounded`). A resend here would be invisible to that window. A 429 is
+/// resent: the API server's flow control refuses a request before it does anything with it.
+#[derive(Clone)]
+pub struct WritesMayLand(RetryPolicy);
+
+impl<Res> Policy<Request<Body>, Response<Res>, BoxError> for WritesMayLand {
+    type Future = tokio::time::Sleep;
+
+    fn retry(
+        &mut self,
+        request: &mut Request<Body>,
+        result: &mut Result<Response<Res>, BoxError>,
+    ) -> Option<Self::Future> {
+        let write = !matches!(*request.method(), Method::GET | Method::HEAD);
+        let may_land = matches!(result, Ok(r) if matches!(r.status(), StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT));
+        if write && may_land {
+            return None;
+        }
+        self.0.retry(request, result)
+    }
+
+    fn clone_request(&mut self, request: &Request<Body>) -> Option<Request<Body>> {
+        Policy::<Request<Body>, Response<Res>, BoxError>::clone_request(&mut self.0, request)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn answered(method: Method, status: StatusCode) -> bool {
+        let mut policy = WritesMayLand(RetryPolicy::server_retry());
+        let mut request = Request::builder().method(method).uri("/api").body(Body::from(Vec::new())).unwrap();
+        let mut result: Result<Response<()>, BoxError> = Ok(Response::builder().status(status).body(()).unwrap());
+        policy.retry(&mut request, &mut result).is_none()
+    }
+
+    #[tokio::test]
+    async fn a_write_that_may_still_land_is_not_resent() {
+        assert!(answered(Method::PATCH, StatusCode::GATEWAY_TIMEOUT), "a 504 write goes back to its writer");
+        assert!(answered(Method::POST, StatusCode::SERVICE_UNAVAILABLE));
+        assert!(!answered(Method::PATCH, StatusCode::TOO_MANY_REQUESTS), "flow control refused it: resent");
+        assert!(!answered(Method::GET, StatusCode::GATEWAY_TIMEOUT), "a read is resent");
+        assert!(answered(Method::GET, StatusCode::OK));
+    }
 
     #[test]
     fn a_proxy_is_refused_as_kube_refuses_it() {

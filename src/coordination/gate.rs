@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::ownership::{InFlight, Ownership};
 use crate::error::{Error, Result};
-use crate::runtime::gate::{GatedReconciler, WriteGate};
+use crate::runtime::gate::{GatedReconciler, Permit, WriteGate};
 use crate::runtime::{Action, ObjectKey, Reconciler};
 use crate::sharding::bucket::{self, BUCKET_LABEL, Bucket, Mode};
 use crate::telemetry::audit::Audit;
@@ -71,11 +71,13 @@ struct ShardGate<'a> {
 }
 
 impl WriteGate for ShardGate<'_> {
-    fn check(&self, what: &str) -> Result<u64> {
+    fn check(&self, what: &str) -> Result<Permit> {
+        // Before the check: a write counts as sent from before ownership said yes.
+        let sent = Instant::now();
         match self.in_flight.permit() {
-            Some(epoch) => {
+            Some(token) => {
                 self.audit.record("write", self.key, what);
-                Ok(epoch)
+                Ok(Permit { token, sent })
             }
             None => {
                 self.audit.record("write_refused", self.key, what);

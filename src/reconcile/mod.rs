@@ -120,15 +120,15 @@ impl TrafficPolicyReconciler {
         if self.child_versions.holds(kind, key, content) {
             return Ok(ApplyEffect::Unchanged);
         }
-        let fence = gate.check(kind)?;
+        let permit = gate.check(kind)?;
         child.annotations_mut().insert(CONTENT_ANNOTATION.into(), format!("{content:x}"));
-        child.annotations_mut().insert(FENCE_ANNOTATION.into(), fence.to_string());
+        child.annotations_mut().insert(FENCE_ANNOTATION.into(), permit.token.to_string());
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let request = Request::new(api.resource_url())
             .patch(&child.name_any(), &params, &Patch::Apply(&child))
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
-        let applied: Applied = bounded(gate, self.client.request(request)).await.map_err(|e| match e {
+        let applied: Applied = bounded(gate, &permit, self.client.request(request)).await.map_err(|e| match e {
             Error::Kube(kube::Error::Api(status)) if is_fenced(&status) => {
                 Error::Fenced(format!("{kind} {}/{}: {}", key.namespace(), child.name_any(), status.message))
             }
@@ -158,7 +158,8 @@ impl TrafficPolicyReconciler {
         if policy.status.as_ref() == Some(&next) {
             return Ok(());
         }
-        next.shard_epoch = Some(gate.check("status")?);
+        let permit = gate.check("status")?;
+        next.shard_epoch = Some(permit.token);
         let api =
             Api::<ApplicationTrafficPolicy>::namespaced(self.client.clone(), &policy.namespace().unwrap_or_default());
         let patch = serde_json::json!({ "status": next });
@@ -166,7 +167,7 @@ impl TrafficPolicyReconciler {
             .patch_subresource("status", &policy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
-        match bounded(gate, self.client.request::<IgnoredAny>(request)).await {
+        match bounded(gate, &permit, self.client.request::<IgnoredAny>(request)).await {
             Ok(_) => Ok(()),
             // Deleted meanwhile: nothing left to report on.
             Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => Ok(()),

@@ -16,10 +16,20 @@ use crate::error::{Error, Result};
 /// deploy/components/fencing/ refuses an update whose token is lower than the stored one.
 pub const FENCE_ANNOTATION: &str = "trafficpolicy.dev/shard-epoch";
 
+/// Leave to send one write.
+#[derive(Clone, Copy, Debug)]
+pub struct Permit {
+    /// The fencing token to stamp on the write.
+    pub token: u64,
+    /// When the write counts as sent: read *before* the check said yes, so that the write's
+    /// bound, and the window in which it may still land, run from before that answer.
+    pub sent: Instant,
+}
+
 pub trait WriteGate: Send + Sync {
-    /// Right before a write: the fencing token to stamp on it, or
-    /// [`Error::LostOwnership`] when this replica may no longer write.
-    fn check(&self, what: &str) -> Result<u64>;
+    /// Right before a write: its [`Permit`], or [`Error::LostOwnership`] when this replica
+    /// may no longer write.
+    fn check(&self, what: &str) -> Result<Permit>;
     /// Whether this replica may still write, without a write to follow (nothing recorded).
     fn permitted(&self) -> bool;
     /// How long one write may take, client and server side.
@@ -43,13 +53,22 @@ pub trait GatedReconciler<K>: Send + Sync + 'static {
     fn forget(&self, key: &ObjectKey);
 }
 
-/// Runs one write within the gate's bound; a write that does not answer in time is
-/// reported as abandoned, since it may still reach the server.
-pub async fn bounded<T>(gate: &dyn WriteGate, write: impl Future<Output = kube::Result<T>>) -> Result<T> {
-    let sent = Instant::now();
+/// Runs one write, permitted by `permit`, within the gate's bound from the permit's send
+/// time; a write that does not answer in time is reported as abandoned, since it may still
+/// reach the server. A write whose bound passed before it could be sent (the process was
+/// paused after the check) is not sent at all.
+pub async fn bounded<T>(
+    gate: &dyn WriteGate,
+    permit: &Permit,
+    write: impl Future<Output = kube::Result<T>>,
+) -> Result<T> {
     let bound = gate.write_bound();
-    let mut abandoned = AbandonOnDrop { gate, sent, armed: true };
-    let result = tokio::time::timeout(bound, write).await;
+    let deadline = permit.sent + bound;
+    if Instant::now() >= deadline {
+        return Err(Error::Timeout(bound));
+    }
+    let mut abandoned = AbandonOnDrop { gate, sent: permit.sent, armed: true };
+    let result = tokio::time::timeout_at(deadline, write).await;
     // Only an answer from the server that it is done with the write says the write is over. A
     // transport error after the request was sent says nothing of whether it will still be
     // applied, and neither does a 5xx: a 504 from a proxy, or a 500 from a server whose storage
@@ -97,8 +116,8 @@ mod tests {
     struct Recorder(Mutex<Vec<Instant>>);
 
     impl WriteGate for Recorder {
-        fn check(&self, _: &str) -> Result<u64> {
-            Ok(1)
+        fn check(&self, _: &str) -> Result<Permit> {
+            Ok(Permit { token: 1, sent: Instant::now() })
         }
         fn permitted(&self) -> bool {
             true
@@ -117,25 +136,50 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_write_that_does_not_answer_in_time_is_abandoned() {
         let gate = Recorder::default();
-        let answered = bounded(&gate, async { Ok::<_, kube::Error>(7) }).await.unwrap();
+        let permit = gate.check("x").unwrap();
+        let answered = bounded(&gate, &permit, async { Ok::<_, kube::Error>(7) }).await.unwrap();
         assert_eq!(answered, 7);
         assert!(gate.0.lock().unwrap().is_empty());
         let refused = kube::core::Status::failure("invalid", "Invalid").with_code(422);
-        let refused = bounded(&gate, async { Err::<(), _>(kube::Error::Api(Box::new(refused))) }).await;
+        let refused = bounded(&gate, &permit, async { Err::<(), _>(kube::Error::Api(Box::new(refused))) }).await;
         assert!(refused.is_err());
         assert!(gate.0.lock().unwrap().is_empty(), "the server refused it: it will not land");
         let gateway_timeout = kube::core::Status::failure("timeout", "Timeout").with_code(504);
-        let gateway_timeout = bounded(&gate, async { Err::<(), _>(kube::Error::Api(Box::new(gateway_timeout))) }).await;
+        let gateway_timeout =
+            bounded(&gate, &permit, async { Err::<(), _>(kube::Error::Api(Box::new(gateway_timeout))) }).await;
         assert!(gateway_timeout.is_err());
         assert_eq!(gate.0.lock().unwrap().len(), 1, "a 504 may still land");
         gate.0.lock().unwrap().clear();
-        let hung = bounded(&gate, std::future::pending::<kube::Result<()>>()).await;
+        let hung = bounded(&gate, &gate.check("x").unwrap(), std::future::pending::<kube::Result<()>>()).await;
         assert!(matches!(hung, Err(Error::Timeout(_))));
         assert_eq!(gate.0.lock().unwrap().len(), 1);
         // Dropped mid-flight (the whole reconcile timed out): abandoned too.
-        let dropped = bounded(&gate, std::future::pending::<kube::Result<()>>());
+        let permit = gate.check("x").unwrap();
+        let dropped = bounded(&gate, &permit, std::future::pending::<kube::Result<()>>());
         drop(tokio::time::timeout(Duration::from_secs(1), dropped).await);
+        assert_eq!(*gate.0.lock().unwrap().last().unwrap(), permit.sent, "abandoned as of the permit's send time");
         assert_eq!(gate.0.lock().unwrap().len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_bound_runs_from_before_the_check_and_a_late_write_is_not_sent() {
+        let gate = Recorder::default();
+        let permit = gate.check("x").unwrap();
+        // Paused for most of the bound between the check and the send: the rest is all it gets.
+        tokio::time::advance(Duration::from_secs(4)).await;
+        let hung = bounded(&gate, &permit, std::future::pending::<kube::Result<()>>()).await;
+        assert!(matches!(hung, Err(Error::Timeout(_))));
+        assert_eq!(Instant::now() - permit.sent, Duration::from_secs(5), "timed out at the permit's bound");
+        gate.0.lock().unwrap().clear();
+        // Paused past the bound: never sent, so nothing may land.
+        let sent = std::sync::atomic::AtomicBool::new(false);
+        let late = bounded(&gate, &permit, async {
+            sent.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok::<_, kube::Error>(())
+        });
+        assert!(matches!(late.await, Err(Error::Timeout(_))));
+        assert!(!sent.load(std::sync::atomic::Ordering::SeqCst), "the write was not sent");
+        assert!(gate.0.lock().unwrap().is_empty(), "nothing sent, nothing abandoned");
     }
 
     #[test]

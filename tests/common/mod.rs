@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use controlplane::manifests;
 use controlplane::process::Process;
 use controlplane::{ControlPlane, Grant};
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::api::flowcontrol::v1::{FlowSchema, GroupSubject, Subject};
 use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -17,6 +18,7 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::OnceCell;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::runtime::gate::FENCE_ANNOTATION;
 use traffic_policy_operator::sharding::bucket::Mode;
 
 pub const DEADLINE: Duration = Duration::from_secs(60);
@@ -169,6 +171,74 @@ async fn install_once(cp: &'static ControlPlane) {
             manifests::wait_policies_admitted(&client, "default", DEADLINE).await.unwrap();
         })
         .await;
+}
+
+/// The fencing policy's binding, removed while a scenario shows that the timing layer holds
+/// on its own; put back by [`Unfenced::restore`], or when dropped (a failed test).
+pub struct Unfenced {
+    binding: Option<ValidatingAdmissionPolicyBinding>,
+}
+
+impl Unfenced {
+    pub const BINDING: &str = "trafficpolicy.dev-fencing";
+
+    pub async fn remove() -> Self {
+        let client = shared_client().await;
+        let bindings = Api::<ValidatingAdmissionPolicyBinding>::all(client.clone());
+        let mut binding = bindings.get(Self::BINDING).await.unwrap();
+        bindings.delete(Self::BINDING, &Default::default()).await.unwrap();
+        eventually("the fencing policy no longer refuses a token set by hand", || async {
+            (!fencing_in_force(&client).await).then_some(())
+        })
+        .await;
+        binding.metadata = ObjectMeta { name: binding.metadata.name.take(), ..Default::default() };
+        Self { binding: Some(binding) }
+    }
+
+    pub async fn restore(mut self) {
+        if let Some(binding) = self.binding.take() {
+            restore_binding(binding).await;
+        }
+    }
+}
+
+impl Drop for Unfenced {
+    fn drop(&mut self) {
+        if let Some(binding) = self.binding.take() {
+            tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(restore_binding(binding)));
+        }
+    }
+}
+
+async fn shared_client() -> Client {
+    let cp = tokio::task::spawn_blocking(ControlPlane::shared).await.unwrap();
+    cp.client().await.unwrap()
+}
+
+async fn restore_binding(binding: ValidatingAdmissionPolicyBinding) {
+    let client = shared_client().await;
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    eventually("the fencing policy refuses a token set by hand again", || async {
+        fencing_in_force(&client).await.then_some(())
+    })
+    .await;
+}
+
+/// Whether the fencing policy is in force: it refuses the admin's dry-run ConfigMap with a token.
+async fn fencing_in_force(admin: &Client) -> bool {
+    let forged = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("fencing-probe".into()),
+            annotations: Some([(FENCE_ANNOTATION.to_string(), "1".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let dry_run = PostParams { dry_run: true, ..Default::default() };
+    Api::<ConfigMap>::namespaced(admin.clone(), "default").create(&dry_run, &forged).await.is_err()
 }
 
 /// Who the fencing policy takes for the operator on the shared control plane.

@@ -16,7 +16,6 @@ use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
 use traffic_policy_operator::sharding::bucket::{self, Mode};
 use traffic_policy_operator::sharding::ring::Ring;
 
-use crate::audit;
 use crate::common::{eventually, expected_mode};
 use crate::fleet::{self, Fleet, policy, set_rate, until};
 use crate::server::{self, rate_of};
@@ -199,17 +198,7 @@ async fn a_late_write_from_a_deposed_owner_is_fenced_by_the_api_server() {
     fleet.balanced().await;
 
     // A policy in r-0's slice.
-    let owned = audit::ownership_changes(&fleet.audit())
-        .into_iter()
-        .rfind(|(_, replica, _)| replica == "r-0")
-        .map(|(_, _, buckets)| buckets)
-        .unwrap();
-    let namespace = fleet
-        .namespaces
-        .iter()
-        .find(|ns| owned.contains(&expected_mode().bucket_of(ns)))
-        .cloned()
-        .expect("r-0 owns one");
+    let namespace = fleet.namespace_owned_by("r-0");
     let child = format!("{namespace}/app-0");
     let client = fleet.client();
 

@@ -19,6 +19,7 @@ use traffic_policy_operator::sharding::assignment::{Assignment, Slot};
 
 use crate::audit;
 use crate::common::{Operator, TestEnv, eventually, operator_cluster_role};
+use crate::grants;
 use crate::server::{self, ForwardOnly, Verdict};
 
 pub fn lease_duration() -> Duration {
@@ -100,16 +101,42 @@ impl Fleet {
     /// Starts a process for replica `name` without waiting, optionally through another
     /// API server address (a proxy); returns it unregistered.
     pub async fn spawn(&mut self, name: &str, via_port: Option<u16>) -> Operator {
+        let server = via_port.map(|port| format!("https://127.0.0.1:{port}"));
+        self.launch(name, server, &operator_cluster_role().metadata.name.unwrap(), &[]).await
+    }
+
+    /// Starts replica `name` talking to the API server at `server` (a proxy), and waits until
+    /// it is ready.
+    pub async fn start_via(&mut self, name: &str, server: &str) {
+        let role = operator_cluster_role().metadata.name.unwrap();
+        let mut replica = self.launch(name, Some(server.to_string()), &role, &[]).await;
+        replica.wait_ready().await;
+        self.replicas.insert(name.to_string(), replica);
+    }
+
+    /// Starts replica `name` under ClusterRole `cluster_role` with `extra_args`, registered
+    /// but not waited for: it may never be ready.
+    pub async fn start_unready(&mut self, name: &str, cluster_role: &str, extra_args: &[&str]) {
+        let replica = self.launch(name, None, cluster_role, extra_args).await;
+        self.replicas.insert(name.to_string(), replica);
+    }
+
+    async fn launch(
+        &mut self,
+        name: &str,
+        server: Option<String>,
+        cluster_role: &str,
+        extra_args: &[&str],
+    ) -> Operator {
         self.launches += 1;
         let account = format!("{name}-{}", self.launches);
-        let grants = vec![Grant::ClusterRole(operator_cluster_role().metadata.name.unwrap())];
+        let grants = vec![Grant::ClusterRole(cluster_role.to_string())];
         let identity = self.env.operator_identity(&account, Some(grants)).await;
         self.users.entry(name.to_string()).or_default().push(identity.user.clone());
         let mut kubeconfig = identity.kubeconfig_path.clone();
-        if let Some(port) = via_port {
+        if let Some(server) = server {
             let text = std::fs::read_to_string(&kubeconfig).unwrap();
-            let server = self.env.cp.server_url();
-            let text = text.replace(&server, &format!("https://127.0.0.1:{port}"));
+            let text = text.replace(&self.env.cp.server_url(), &server);
             kubeconfig = kubeconfig.with_extension("proxied.kubeconfig");
             std::fs::write(&kubeconfig, text).unwrap();
         }
@@ -119,6 +146,7 @@ impl Fleet {
             "--workers=4".to_string(),
         ];
         args.extend(self.lease_args.iter().cloned());
+        args.extend(extra_args.iter().map(|a| a.to_string()));
         Operator::spawn(self.env.cp, &kubeconfig, name, &args)
     }
 
@@ -196,6 +224,33 @@ impl Fleet {
         .await
     }
 
+    /// Changes the spec of every policy of the fleet once.
+    pub async fn change_every_policy(&self) {
+        for ns in &self.namespaces {
+            for i in 0..PER_NAMESPACE {
+                set_rate(&self.client(), ns, &format!("app-{i}")).await.expect("spec changed");
+            }
+        }
+    }
+
+    /// A namespace of the fleet in `replica`'s slice, as its own audit log last said.
+    pub fn namespace_owned_by(&self, replica: &str) -> String {
+        let owned = audit::ownership_changes(&self.audit())
+            .into_iter()
+            .rfind(|(_, r, _)| r == replica)
+            .map(|(_, _, buckets)| buckets)
+            .unwrap_or_else(|| panic!("{replica} never owned anything"));
+        let mode = crate::common::expected_mode();
+        let owned_ns = self.namespaces.iter().find(|ns| owned.contains(&mode.bucket_of(ns)));
+        owned_ns.cloned().unwrap_or_else(|| panic!("{replica} owns none of the fleet's namespaces"))
+    }
+
+    /// The published assignment.
+    pub async fn assignment(&self) -> Assignment {
+        let published = self.env.api::<ConfigMap>().get(ASSIGNMENT_CONFIGMAP).await.unwrap();
+        Assignment::decode(published.data.as_ref().unwrap()).unwrap()
+    }
+
     /// Keeps changing specs (one every 50 ms) until the returned flag is set.
     pub fn churn(&self) -> (Arc<AtomicBool>, tokio::task::JoinHandle<u64>) {
         let stop = Arc::new(AtomicBool::new(false));
@@ -222,9 +277,13 @@ impl Fleet {
         server::writes(&self.env.cp.audit_log_path(), &users)
     }
 
-    /// What the API server received from this fleet's processes, judged.
+    /// What the API server received from this fleet's processes, judged by the tokens and
+    /// spec changes the writes carry, and against the grants of the assignment's history.
     pub fn verdict(&self) -> Verdict {
-        server::judge_by(&self.server_writes(), self.judge_spec_changes)
+        let mut verdict = server::judge_by(&self.server_writes(), self.judge_spec_changes);
+        let users: BTreeSet<String> = self.users.values().flatten().cloned().collect();
+        verdict.after_grant = grants::violations(&self.env.cp.audit_log_path(), &users);
+        verdict
     }
 
     pub fn audit(&self) -> Vec<audit::Entry> {
@@ -241,6 +300,11 @@ impl Fleet {
         let verdict = self.verdict();
         let regressions = self.forward.regressions();
         assert!(verdict.overlapping.is_empty(), "overlapping writes seen by the server: {:?}", verdict.overlapping);
+        assert!(
+            verdict.after_grant.is_empty(),
+            "writes after their bucket was granted to another: {:?}",
+            verdict.after_grant
+        );
         assert!(regressions.is_empty(), "children went back to an older spec: {regressions:?}");
         // The next scenario's fleet has its own assignment, with its own generations: it must
         // not find this one's children, stamped with epochs of another count.

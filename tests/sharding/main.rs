@@ -11,7 +11,10 @@ mod audit;
 mod common;
 mod faults;
 mod fleet;
+mod gateway_timeout;
+mod grants;
 mod handoff;
+mod membership;
 mod modes;
 mod server;
 mod trust;
@@ -114,6 +117,7 @@ async fn scaling_and_takeover_after_kill_and_sigterm() {
         verdict.overlapping.len(),
         verdict.fenced
     );
+    assert_eq!(verdict.fenced, 0, "the timing layer let a late write reach the fencing policy");
     let kill_bound = (lease_duration() + Duration::from_secs(3)).as_secs_f64();
     assert!(kill_takeover <= kill_bound, "takeover after kill -9 took {kill_takeover:.2} s (bound {kill_bound} s)");
     assert!(term_takeover <= 3.0, "takeover after SIGTERM took {term_takeover:.2} s (bound 3 s)");
@@ -122,7 +126,22 @@ async fn scaling_and_takeover_after_kill_and_sigterm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freezes_across_the_lease_boundary_never_overlap() {
     let _turn = SERIAL.lock().await;
-    let mut fleet = Fleet::new("freeze", 30).await;
+    let verdict = freeze_sweep("freeze").await;
+    assert_eq!(verdict.fenced, 0, "the timing layer let a late write reach the fencing policy");
+}
+
+/// The same sweep with the fencing policy's binding removed: the timing layer holds alone,
+/// judged by the grants each accepted write came after (see `grants`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freezes_across_the_lease_boundary_never_overlap_without_fencing() {
+    let _turn = SERIAL.lock().await;
+    let unfenced = common::Unfenced::remove().await;
+    freeze_sweep("freeze-unfenced").await;
+    unfenced.restore().await;
+}
+
+async fn freeze_sweep(scenario: &str) -> server::Verdict {
+    let mut fleet = Fleet::new(scenario, 30).await;
     for name in ["r-0", "r-1", "r-2"] {
         fleet.start(name).await;
     }
@@ -143,12 +162,14 @@ async fn freezes_across_the_lease_boundary_never_overlap() {
     fleet.converged("the last change").await;
     let verdict = fleet.finish().await;
     println!(
-        "sharding summary: freezes of 0.5, 1, 1.5 and 2 lease durations under {changes} spec changes: {} writes seen by the server, \
-         {} overlapping, {} fenced",
+        "sharding summary: {scenario}: freezes of 0.5, 1, 1.5 and 2 lease durations under {changes} spec changes: \
+         {} writes seen by the server, {} overlapping, {} after a grant to another, {} fenced",
         verdict.writes,
         verdict.overlapping.len(),
+        verdict.after_grant.len(),
         verdict.fenced
     );
+    verdict
 }
 
 /// The users (processes) that wrote, from the server's audit log, among `candidates`.

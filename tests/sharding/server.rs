@@ -86,6 +86,9 @@ pub struct Verdict {
     pub fenced: usize,
     /// The processes (users) whose writes were fenced.
     pub fenced_by: BTreeSet<String>,
+    /// Accepted writes that came after their bucket was granted to another process (must be 0;
+    /// see `grants`).
+    pub after_grant: Vec<String>,
 }
 
 pub fn judge(writes: &[Write]) -> Verdict {

@@ -9,19 +9,10 @@ use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
 use traffic_policy_operator::sharding::assignment::Assignment;
 
 use crate::SERIAL;
-use crate::fleet::{Fleet, PER_NAMESPACE, set_rate};
+use crate::fleet::{Fleet, PER_NAMESPACE};
 
 fn generation(cm: &ConfigMap) -> u64 {
     Assignment::decode(cm.data.as_ref().unwrap()).unwrap().generation
-}
-
-/// Changes the spec of every policy of the fleet once.
-async fn change_every_policy(fleet: &Fleet) {
-    for ns in &fleet.namespaces {
-        for i in 0..PER_NAMESPACE {
-            set_rate(&fleet.client(), ns, &format!("app-{i}")).await.expect("spec changed");
-        }
-    }
 }
 
 /// The fencing tokens on the fleet's rate-limit ConfigMaps (the children a rate change
@@ -58,7 +49,7 @@ async fn a_restored_older_assignment_counts_as_lost_and_failover_goes_on() {
     current.data = saved.data.clone();
     configmaps.replace(ASSIGNMENT_CONFIGMAP, &PostParams::default(), &current).await.unwrap();
     fleet.kill("r-1");
-    change_every_policy(&fleet).await;
+    fleet.change_every_policy().await;
     fleet.converged("an older assignment was restored and a replica was killed").await;
     let shares = fleet.balanced().await;
     let after = generation(&configmaps.get(ASSIGNMENT_CONFIGMAP).await.unwrap());
@@ -87,7 +78,7 @@ async fn a_reinstall_starts_its_epochs_above_every_token_in_the_cluster() {
         fleet.start("r-1").await;
         fleet.balanced().await;
     }
-    change_every_policy(&fleet).await;
+    fleet.change_every_policy().await;
     fleet.converged("the first install's changes").await;
     let (_, mut highest) = tokens(&fleet.client(), &fleet.namespaces).await;
 
@@ -96,7 +87,7 @@ async fn a_reinstall_starts_its_epochs_above_every_token_in_the_cluster() {
         fleet.reinstall(namespace).await;
         fleet.start("r-0").await;
         fleet.start("r-1").await;
-        change_every_policy(&fleet).await;
+        fleet.change_every_policy().await;
         fleet.converged(&format!("a reinstall {how}")).await;
         let (lowest, now) = tokens(&fleet.client(), &fleet.namespaces).await;
         assert!(

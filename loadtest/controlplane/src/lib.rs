@@ -14,6 +14,7 @@
 //! ```
 
 mod certs;
+pub mod gateway_timeout;
 mod identity;
 pub mod manifests;
 mod ports;
@@ -51,6 +52,8 @@ rules:
         resources: ["networkpolicies"]
       - group: "trafficpolicy.dev"
         resources: ["applicationtrafficpolicies", "applicationtrafficpolicies/status"]
+      - group: "coordination.k8s.io"
+        resources: ["leases"]
   - level: None
 "#;
 
@@ -248,7 +251,7 @@ impl ControlPlane {
         Ok(kube::Client::try_from(config)?)
     }
 
-    async fn client_for_token(&self, token: &str, user: &str) -> Result<kube::Client> {
+    pub async fn client_for_token(&self, token: &str, user: &str) -> Result<kube::Client> {
         let kubeconfig = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_yaml(token, user))?;
         let config =
             kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default()).await?;
