@@ -156,29 +156,29 @@ impl MemberLease {
             }
         }
         // The quorum read that completes the cycle: only now may the deadline move.
-        match tokio::time::timeout(self.config.renew_deadline, self.configmaps.get_opt(ASSIGNMENT_CONFIGMAP)).await {
-            Ok(Ok(Some(cm))) => {
-                self.failed_reads.store(0, Ordering::Relaxed);
-                match decode(&cm) {
-                    Some((assignment, rv)) => {
-                        self.ownership.confirm(started, &assignment);
-                        self.view.offer(assignment, Some(rv));
-                    }
-                    None => self.ownership.renewed(started),
+        let read =
+            tokio::time::timeout(self.config.renew_deadline, self.configmaps.get_opt(ASSIGNMENT_CONFIGMAP)).await;
+        match read {
+            Ok(Ok(_)) => self.failed_reads.store(0, Ordering::Relaxed),
+            _ => drop(self.failed_reads.fetch_add(1, Ordering::Relaxed)),
+        }
+        match read {
+            Ok(Ok(Some(cm))) => match decode(&cm) {
+                Some((assignment, rv)) => {
+                    self.ownership.confirm(started, &assignment);
+                    self.view.offer(assignment, Some(rv));
                 }
-            }
+                None => self.ownership.renewed(started),
+            },
             Ok(Ok(None)) => {
-                self.failed_reads.store(0, Ordering::Relaxed);
                 self.view.gone();
                 self.ownership.renewed(started);
             }
             Ok(Err(error)) => {
-                self.failed_reads.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%error, "reading the assignment failed");
                 self.ownership.renewed(started);
             }
             Err(_) => {
-                self.failed_reads.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("reading the assignment timed out");
                 self.ownership.renewed(started);
             }
