@@ -98,6 +98,11 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_RECONCILE_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub reconcile_timeout: Duration,
 
+    /// How long the watches may take to list a bucket this replica was given. Past it the
+    /// replica gives its slice up, says why on its member Lease, and asks again later.
+    #[arg(long, env = "TPO_LIST_DEADLINE", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub list_deadline: Duration,
+
     /// This replica's pod name (from the downward API in a StatefulSet). It names the member
     /// Lease; the Lease holder is the pod name plus a nonce new to every process, so a second
     /// process with the same pod name waits instead of sharing the slice.

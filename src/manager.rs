@@ -161,7 +161,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 owned,
                 slice.clone(),
                 slicing.clone(),
-                watch_health,
+                watch_health.clone(),
             ),
             "ConfigMap",
             owner_kind,
@@ -182,9 +182,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync: args.resync_period,
         drain_timeout: args.drain_timeout,
         reconcile_timeout: args.reconcile_timeout,
+        list_deadline: args.list_deadline,
         backoff: Backoff::default(),
     };
-    let controller = Controller::new(settings, cache.clone(), health.clone());
+    let controller = Controller::new(settings, cache.clone(), health.clone(), watch_health);
     tokio::spawn({
         let (ownership, listed) = (ownership.clone(), controller.listed());
         async move { load.keep(cache, ownership, listed).await }

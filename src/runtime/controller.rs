@@ -32,11 +32,13 @@ use super::backoff::Backoff;
 use super::cache::{Cache, Entry};
 use super::child_versions::{CHILD_KINDS, ChildVersions, KnownBefore};
 use super::key::ObjectKey;
+use super::list_deadline::ListDeadline;
 use super::parts::{Buckets, Slice};
 use super::predicate::{List, Sight};
 use super::queue::{Priority, WorkQueue};
 use super::stored::Stored;
 use super::watch::{Cached, ChildEvent};
+use super::watch_health::WatchHealth;
 use crate::error::{Error, Result};
 use crate::telemetry::admin::Health;
 use crate::telemetry::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
@@ -75,6 +77,9 @@ pub struct Settings {
     pub resync: Duration,
     pub drain_timeout: Duration,
     pub reconcile_timeout: Duration,
+    /// How long the watches may take to list an owned bucket before this process says it
+    /// cannot work ([`super::list_deadline`]).
+    pub list_deadline: Duration,
     pub backoff: Backoff,
 }
 
@@ -91,6 +96,7 @@ pub struct Controller<S: Stored> {
     cache: Cache<S>,
     metrics: ControllerMetrics,
     health: Arc<Health>,
+    watch_health: Arc<WatchHealth>,
 }
 
 impl<S> Controller<S>
@@ -98,13 +104,14 @@ where
     S: Stored,
     S::Object: Resource<DynamicType = ()> + Send + Sync + 'static,
 {
-    pub fn new(settings: Settings, cache: Cache<S>, health: Arc<Health>) -> Self {
+    /// Reports to `watch_health` when the watches do not list the slice in time.
+    pub fn new(settings: Settings, cache: Cache<S>, health: Arc<Health>, watch_health: Arc<WatchHealth>) -> Self {
         let queue = Arc::new(WorkQueue::new(settings.backoff, QueueMetrics::new(settings.name)));
         let metrics = ControllerMetrics::new(settings.name, settings.workers);
         metrics::set_cache_synced(settings.name, false);
         let children_listed = tokio::sync::watch::Sender::new(BTreeMap::new());
         let primary_listed = tokio::sync::watch::Sender::new(None);
-        Self { settings, queue, primary_listed, children_listed, cache, metrics, health }
+        Self { settings, queue, primary_listed, children_listed, cache, metrics, health, watch_health }
     }
 
     /// What the cache holds: the buckets of the primary watch's completed lists.
@@ -129,6 +136,7 @@ where
         let mut background = vec![
             tokio::spawn(this.clone().feed_primary(primary, reconciler.clone())),
             tokio::spawn(this.clone().update_gauges()),
+            tokio::spawn(this.clone().keep_list_deadline(slice.clone(), child_kinds)),
         ];
         for stream in children {
             background.push(tokio::spawn(this.clone().feed_children(stream, child_versions.clone())));
@@ -307,6 +315,27 @@ where
                     }
                 }
             }
+        }
+    }
+
+    /// Checks every second that each owned bucket is listed by every watch within the deadline.
+    async fn keep_list_deadline(self: Arc<Self>, slice: Slice, child_kinds: usize) {
+        let mut deadline = ListDeadline::new(self.settings.list_deadline);
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let owned = slice.borrow().clone().unwrap_or_default();
+            let unlisted = {
+                let primary = self.primary_listed.borrow();
+                let children = self.children_listed.borrow();
+                let listed = |bucket: &u16| {
+                    primary.as_ref().is_some_and(|p| p.contains(bucket))
+                        && children.len() == child_kinds
+                        && children.values().all(|c| c.contains(bucket))
+                };
+                owned.iter().filter(|b| !listed(b)).count()
+            };
+            self.watch_health.set_unlisted(deadline.observe(Instant::now(), unlisted, owned.len()));
         }
     }
 

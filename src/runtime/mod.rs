@@ -30,6 +30,7 @@ pub mod child_versions;
 pub mod controller;
 pub mod gate;
 pub mod key;
+pub mod list_deadline;
 pub mod parts;
 pub mod predicate;
 pub mod queue;

@@ -6,6 +6,10 @@
 //! A process that holds no work watches nothing, so a refusal is only cleared by a list that
 //! succeeds: a later watch's, or the refused watch's own probe, a list of one object with the
 //! same selector, which [`WatchHealth::probe`] runs.
+//!
+//! A watch that fails without being refused is retried; if its lists still do not complete
+//! in time, the controller says so here too ([`WatchHealth::set_unlisted`], from
+//! [`super::list_deadline`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -24,6 +28,8 @@ pub type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), kube::Error>> + S
 pub struct WatchHealth {
     /// By resource kind: the watches refused since their last successful list.
     refused: Mutex<BTreeMap<String, Refused>>,
+    /// Why the watches have not listed the slice in time, while that stands.
+    unlisted: Mutex<Option<String>>,
 }
 
 struct Refused {
@@ -56,7 +62,13 @@ impl WatchHealth {
     pub fn broken(&self) -> Option<String> {
         let refused = self.lock();
         let broken = refused.values().filter(|r| r.times >= REFUSALS_BEFORE_BROKEN).map(|r| r.reason.clone());
-        broken.reduce(|a, b| format!("{a}; {b}"))
+        let unlisted = self.unlisted.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        broken.chain(unlisted).reduce(|a, b| format!("{a}; {b}"))
+    }
+
+    /// Why the watches did not list the slice in time (`None` once that no longer stands).
+    pub fn set_unlisted(&self, why: Option<String>) {
+        *self.unlisted.lock().unwrap_or_else(|p| p.into_inner()) = why;
     }
 
     /// Lists with each refused watch's selector; a kind whose list succeeds works again.

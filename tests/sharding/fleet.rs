@@ -114,10 +114,11 @@ impl Fleet {
         self.replicas.insert(name.to_string(), replica);
     }
 
-    /// Starts replica `name` under ClusterRole `cluster_role` with `extra_args`, registered
-    /// but not waited for: it may never be ready.
-    pub async fn start_unready(&mut self, name: &str, cluster_role: &str, extra_args: &[&str]) {
-        let replica = self.launch(name, None, cluster_role, extra_args).await;
+    /// Starts replica `name` under ClusterRole `cluster_role` with `extra_args`, optionally
+    /// through another API server address (a proxy), registered but not waited for: it may
+    /// never be ready.
+    pub async fn start_unready(&mut self, name: &str, cluster_role: &str, server: Option<&str>, extra_args: &[&str]) {
+        let replica = self.launch(name, server.map(str::to_string), cluster_role, extra_args).await;
         self.replicas.insert(name.to_string(), replica);
     }
 

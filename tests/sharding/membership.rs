@@ -1,15 +1,18 @@
-//! Membership that knows what a replica can do: a replica that cannot watch its slice, or
-//! that shards in another mode than the fleet, is given no buckets, says why, and every
-//! policy keeps converging, judged from the API server.
+//! Membership that knows what a replica can do: a replica that cannot watch its slice (its
+//! watches are refused, or its lists never complete), or that shards in another mode than
+//! the fleet, is given no buckets, says why, and every policy keeps converging, judged from
+//! the API server.
 
 use std::time::{Duration, Instant};
+
+use controlplane::gateway_timeout::GatewayTimeoutProxy;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 use traffic_policy_operator::coordination::{MEMBER_LEASE_PREFIX, MODE_ANNOTATION, NOT_WORKING_ANNOTATION};
 
 use crate::SERIAL;
-use crate::common::eventually;
+use crate::common::{eventually, eventually_within};
 use crate::fleet::{Fleet, lease_duration};
 
 /// What replica `pod`'s member Lease says: its holder and annotations.
@@ -55,7 +58,7 @@ async fn a_replica_whose_watches_are_refused_gives_its_slice_up_until_they_are_a
         }
     };
     fleet.env.limited_cluster_role(role, refuse_watch).await;
-    fleet.start_unready("r-1", role, &[]).await;
+    fleet.start_unready("r-1", role, None, &[]).await;
     let holder = renewing(&fleet, "r-1").await;
     let took = every_change_converges(&fleet, "a spec change, with r-1's watches refused").await;
     let why = eventually("r-1 says on its Lease why it cannot work", || async {
@@ -89,6 +92,59 @@ async fn a_replica_whose_watches_are_refused_gives_its_slice_up_until_they_are_a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_lists_never_complete_gives_its_slice_up_until_they_do() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("unlisted", 8).await;
+    fleet.start("r-0").await;
+    fleet.converged("the initial creation").await;
+    // r-1 talks to the API server through a proxy that answers every list and watch of
+    // NetworkPolicies with 504: not a refusal, so its watch retries for ever.
+    let proxy = GatewayTimeoutProxy::start(fleet.env.cp).unwrap();
+    proxy.time_out_reads(Some("/networkpolicies"));
+    let server = format!("http://127.0.0.1:{}", proxy.port());
+    let deadline = Duration::from_secs(10);
+    let role = "traffic-policy-operator";
+    fleet.start_unready("r-1", role, Some(&server), &[&format!("--list-deadline={}s", deadline.as_secs())]).await;
+    let holder = renewing(&fleet, "r-1").await;
+    eventually("r-1 is given buckets", || async {
+        fleet.assignment().await.shares().contains_key(&holder).then_some(())
+    })
+    .await;
+    // r-1 cannot list them: it gives them up after the deadline, asks for work again after a
+    // hold, and may take buckets for another deadline before it gives them up again (for a
+    // hold twice as long). A change waits at most a deadline and a handoff.
+    let bound = deadline + lease_duration() + Duration::from_secs(5);
+    let took = every_change_converges(&fleet, "a spec change, with r-1's lists failing").await;
+    assert!(took <= bound, "every namespace was reconciled within {bound:?}: {took:?}");
+    let why = eventually("r-1 says on its Lease that its watches did not list its slice", || async {
+        let (_, annotations) = member_lease(&fleet, "r-1").await?;
+        annotations.get(NOT_WORKING_ANNOTATION).cloned()
+    })
+    .await;
+    assert!(why.contains("have not listed"), "the reason says what did not happen: {why}");
+
+    // The lists work again: r-1 is given buckets once its hold has passed, and lists them.
+    proxy.time_out_reads(None);
+    eventually_within(deadline * 8, "r-1 works again and is given buckets", || async {
+        let (holder, annotations) = member_lease(&fleet, "r-1").await?;
+        let given = fleet.assignment().await.shares().contains_key(&holder);
+        (!annotations.contains_key(NOT_WORKING_ANNOTATION) && given).then_some(())
+    })
+    .await;
+    let took_after = every_change_converges(&fleet, "r-1's lists work again").await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: lists that never complete ({why}): every policy converged in {took:?} without r-1, \
+         {took_after:?} with it again; {} writes seen by the server, {} overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+    assert_eq!(verdict.fenced, 0, "no write was fenced");
+    drop(proxy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_of_two_modes_leaves_no_namespace_unreconciled() {
     let _turn = SERIAL.lock().await;
     if !controlplane::sharded_list_and_watch() {
@@ -100,7 +156,7 @@ async fn a_fleet_of_two_modes_leaves_no_namespace_unreconciled() {
     fleet.start("r-0").await;
     fleet.converged("the initial creation").await;
     // A replica started with another mode (a flag set by hand, or a fleet mid-upgrade).
-    fleet.start_unready("r-1", "traffic-policy-operator", &["--shard-mode=labels"]).await;
+    fleet.start_unready("r-1", "traffic-policy-operator", None, &["--shard-mode=labels"]).await;
     let holder = renewing(&fleet, "r-1").await;
     let bound = lease_duration() + Duration::from_secs(5);
     let took = every_change_converges(&fleet, "a spec change, with a replica of the other mode").await;

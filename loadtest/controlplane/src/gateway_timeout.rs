@@ -3,6 +3,9 @@
 //! that gives up on a request which still goes through. The client cannot tell such a write
 //! from one that failed, so it must count it as in flight until its bound has passed.
 //!
+//! It can also answer every list and watch of one resource with 504, as a proxy in front of
+//! a failing path would: lists that are retried and never complete.
+//!
 //! Clients speak plain HTTP to it (kube's client accepts an `http://` server); it forwards
 //! each request with a kube client for the bearer token the request carries, so the API
 //! server's audit log names the same user as without the proxy. Its own thread and runtime:
@@ -33,6 +36,8 @@ struct Armed {
 #[derive(Default)]
 struct State {
     armed: Option<Armed>,
+    /// GETs whose path contains this are answered 504.
+    failing_reads: Option<String>,
     /// The writes answered 504, with the status the server gave each once delivered.
     delivered: Vec<(String, u16)>,
     clients: HashMap<String, kube::Client>,
@@ -84,6 +89,11 @@ impl GatewayTimeoutProxy {
     /// the API server `delay` later.
     pub fn time_out_next_write(&self, path: &str, delay: Duration) {
         self.state.lock().unwrap().armed = Some(Armed { path: path.into(), delay });
+    }
+
+    /// Answers every GET (list or watch) whose path contains `path` with 504, until called with `None`.
+    pub fn time_out_reads(&self, path: Option<&str>) {
+        self.state.lock().unwrap().failing_reads = path.map(str::to_string);
     }
 
     /// Whether a write is still to be answered with 504.
@@ -154,6 +164,10 @@ async fn forward(
         let hit = state.armed.as_ref().is_some_and(|a| parts.method == http::Method::PATCH && path.contains(&a.path));
         if hit { state.armed.take() } else { None }
     };
+    let failing = state.lock().unwrap().failing_reads.clone();
+    if failing.is_some_and(|failing| parts.method == http::Method::GET && path.contains(&failing)) {
+        return answer(StatusCode::GATEWAY_TIMEOUT, "the proxy timed out");
+    }
     if let Some(armed) = time_out {
         tokio::spawn(async move {
             tokio::time::sleep(armed.delay).await;

@@ -50,6 +50,16 @@ fn start<R: Reconciler<ConfigMap>>(
     events: Vec<watcher::Event<ConfigMap>>,
     reconciler: Arc<R>,
 ) -> (tokio::task::JoinHandle<bool>, CancellationToken) {
+    let (run, shutdown, _) = start_with_children(events, Vec::new(), reconciler);
+    (run, shutdown)
+}
+
+/// [`start`] with child watches that send `children`.
+fn start_with_children<R: Reconciler<ConfigMap>>(
+    events: Vec<watcher::Event<ConfigMap>>,
+    children: Vec<BoxStream<'static, ChildEvent>>,
+    reconciler: Arc<R>,
+) -> (tokio::task::JoinHandle<bool>, CancellationToken, Arc<WatchHealth>) {
     let (cache, mut writer) = crate::runtime::cache::new::<ConfigMap>();
     let scope = Scope::everything();
     let primary = futures::stream::iter(events)
@@ -65,15 +75,19 @@ fn start<R: Reconciler<ConfigMap>>(
         resync: Duration::from_secs(3600),
         drain_timeout: Duration::from_secs(1),
         reconcile_timeout: Duration::from_secs(10),
+        list_deadline: LIST_DEADLINE,
         backoff: Backoff::default(),
     };
-    let controller = Controller::new(settings, cache, Health::with_gates(&[]));
+    let watch_health = WatchHealth::new();
+    let controller = Controller::new(settings, cache, Health::with_gates(&[]), watch_health.clone());
     let shutdown = CancellationToken::new();
     let versions = Arc::new(ChildVersions::default());
     let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([0])));
-    let run = controller.run(primary, Vec::new(), slice, versions, reconciler, shutdown.clone());
-    (tokio::spawn(run), shutdown)
+    let run = controller.run(primary, children, slice, versions, reconciler, shutdown.clone());
+    (tokio::spawn(run), shutdown, watch_health)
 }
+
+const LIST_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Polls `done` on the paused clock, which jumps over backoffs and resyncs, for up to a minute.
 async fn until(done: impl Fn() -> bool) {
@@ -120,4 +134,23 @@ async fn a_new_uid_under_a_known_name_forgets_the_old_object_first() {
             "{how}: the old object forgotten, then the new one reconciled: {records:?}"
         );
     }
+}
+
+/// A child watch whose list never completes (a proxy answers it 504 for ever): no object of
+/// the slice is reconciled, so past the deadline the process says it cannot work.
+#[tokio::test(start_paused = true)]
+async fn a_child_watch_that_never_lists_misses_the_list_deadline() {
+    let events = vec![watcher::Event::Init, watcher::Event::InitApply(config_map("u1")), watcher::Event::InitDone];
+    let listing = ChildEvent::Listing { kind: "NetworkPolicy", part: 0, scope: Scope::everything() };
+    let children = vec![futures::stream::iter([listing]).chain(futures::stream::pending()).boxed()];
+    let reconciler = Arc::new(Records::default());
+    let started = Instant::now();
+    let (run, shutdown, watch_health) = start_with_children(events, children, reconciler.clone());
+    until(|| watch_health.broken().is_some()).await;
+    let why = watch_health.broken().unwrap();
+    assert!(started.elapsed() >= LIST_DEADLINE, "not before the deadline: {:?}", started.elapsed());
+    assert!(why.contains("1 of the slice's 1 buckets"), "{why}");
+    assert!(reconciler.0.lock().unwrap().is_empty(), "nothing was reconciled without the child list");
+    shutdown.cancel();
+    run.await.unwrap();
 }
