@@ -325,7 +325,7 @@ where
         loop {
             tick.tick().await;
             let owned = slice.borrow().clone().unwrap_or_default();
-            let unlisted = {
+            let unlisted: Buckets = {
                 let primary = self.primary_listed.borrow();
                 let children = self.children_listed.borrow();
                 let listed = |bucket: &u16| {
@@ -333,9 +333,9 @@ where
                         && children.len() == child_kinds
                         && children.values().all(|c| c.contains(bucket))
                 };
-                owned.iter().filter(|b| !listed(b)).count()
+                owned.iter().filter(|b| !listed(b)).copied().collect()
             };
-            self.watch_health.set_unlisted(deadline.observe(Instant::now(), unlisted, owned.len()));
+            self.watch_health.set_unlisted(deadline.observe(Instant::now(), &unlisted, owned.len()));
         }
     }
 

@@ -2,19 +2,34 @@
 //! the write, which still goes through, later. The writer cannot tell it from a write that
 //! failed, so it keeps it registered as in flight until its bound has passed, and the
 //! bucket's next owner writes only after it landed: nothing is fenced, nothing goes back.
+//! The scenario runs again with the fencing policy removed: the timing layer holds alone.
 
 use std::time::Duration;
 
 use controlplane::gateway_timeout::GatewayTimeoutProxy;
 
 use crate::SERIAL;
-use crate::common::eventually;
+use crate::common::{Unfenced, eventually};
 use crate::fleet::{Fleet, set_rate};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_answered_504_during_a_handoff_lands_before_the_next_owner_writes() {
     let _turn = SERIAL.lock().await;
-    let mut fleet = Fleet::new("gateway-timeout", 8).await;
+    handoff_with_a_write_answered_504("gateway-timeout").await;
+}
+
+/// Judged by the grants each accepted write came after (see `grants`), with nothing to
+/// refuse a late write but timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_answered_504_during_a_handoff_lands_before_the_next_owner_writes_without_fencing() {
+    let _turn = SERIAL.lock().await;
+    let unfenced = Unfenced::remove().await;
+    handoff_with_a_write_answered_504("gateway-timeout-unfenced").await;
+    unfenced.restore().await;
+}
+
+async fn handoff_with_a_write_answered_504(scenario: &str) {
+    let mut fleet = Fleet::new(scenario, 8).await;
     // Long leases, so that a write delivered `delay` after its 504 still reaches the server
     // within its bound (0.45 × (lease duration − renew deadline) = 4.5 s): inside the model,
     // where a write may land late, but not after the server was sent it past its bound.
@@ -48,7 +63,7 @@ async fn a_write_answered_504_during_a_handoff_lands_before_the_next_owner_write
     let delivered = proxy.delivered();
     let verdict = fleet.finish().await;
     println!(
-        "sharding summary: a write answered 504 and delivered {delay:?} later, during a handoff: delivered {delivered:?}; \
+        "sharding summary: {scenario}: a write answered 504 and delivered {delay:?} later, during a handoff: delivered {delivered:?}; \
          {} writes seen by the server, {} overlapping, {} fenced",
         verdict.writes,
         verdict.overlapping.len(),
