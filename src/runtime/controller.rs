@@ -148,7 +148,7 @@ where
                 // has nothing to wait for: the worker finds it gone, or the write gate skips it.
                 let children_listed = move |bucket: Option<u16>, listed: &BTreeMap<_, Buckets>| {
                     let Some(bucket) = bucket else { return true };
-                    let listed = listed.len() == child_kinds && listed.values().all(|b| b.contains(&bucket));
+                    let listed = every_child_kind_listed(listed, child_kinds, bucket);
                     listed || !slice.borrow().as_ref().is_some_and(|owned| owned.contains(&bucket))
                 };
                 tokio::spawn(this.clone().work(reconciler.clone(), children_listed, shutdown.clone()))
@@ -330,8 +330,7 @@ where
                 let children = self.children_listed.borrow();
                 let listed = |bucket: &u16| {
                     primary.as_ref().is_some_and(|p| p.contains(bucket))
-                        && children.len() == child_kinds
-                        && children.values().all(|c| c.contains(bucket))
+                        && every_child_kind_listed(&children, child_kinds, *bucket)
                 };
                 owned.iter().filter(|b| !listed(b)).copied().collect()
             };
@@ -442,6 +441,11 @@ struct Found {
     key: ObjectKey,
     sight: Sight,
     bucket: Option<u16>,
+}
+
+/// Whether each of the `child_kinds` child watches has a completed list of `bucket`.
+fn every_child_kind_listed(listed: &BTreeMap<&'static str, Buckets>, child_kinds: usize, bucket: u16) -> bool {
+    listed.len() == child_kinds && listed.values().all(|b| b.contains(&bucket))
 }
 
 /// `listed` without `buckets` (being listed again, or out of the slice).

@@ -36,6 +36,13 @@ async fn renewing(fleet: &Fleet, pod: &str) -> String {
     .await
 }
 
+/// Whether replica `pod` says it works and the assignment gives it buckets.
+async fn works_and_is_given_buckets(fleet: &Fleet, pod: &str) -> Option<()> {
+    let (holder, annotations) = member_lease(fleet, pod).await?;
+    let given = fleet.assignment().await.shares().contains_key(&holder);
+    (!annotations.contains_key(NOT_WORKING_ANNOTATION) && given).then_some(())
+}
+
 /// How long a spec change of every policy takes to converge.
 async fn every_change_converges(fleet: &Fleet, what: &str) -> Duration {
     let started = Instant::now();
@@ -73,12 +80,7 @@ async fn a_replica_whose_watches_are_refused_gives_its_slice_up_until_they_are_a
 
     // Allowed again: its probe sees the list succeed, it says it works, and it is given buckets.
     fleet.env.limited_cluster_role(role, |_| {}).await;
-    eventually("r-1 works again and is given buckets", || async {
-        let (holder, annotations) = member_lease(&fleet, "r-1").await?;
-        let given = fleet.assignment().await.shares().contains_key(&holder);
-        (!annotations.contains_key(NOT_WORKING_ANNOTATION) && given).then_some(())
-    })
-    .await;
+    eventually("r-1 works again and is given buckets", || works_and_is_given_buckets(&fleet, "r-1")).await;
     let took_after = every_change_converges(&fleet, "r-1 was allowed to watch again").await;
     let verdict = fleet.finish().await;
     println!(
@@ -126,12 +128,8 @@ async fn a_replica_whose_lists_never_complete_gives_its_slice_up_until_they_do()
 
     // The lists work again: r-1 is given buckets once its hold has passed, and lists them.
     proxy.time_out_reads(None);
-    eventually_within(deadline * 8, "r-1 works again and is given buckets", || async {
-        let (holder, annotations) = member_lease(&fleet, "r-1").await?;
-        let given = fleet.assignment().await.shares().contains_key(&holder);
-        (!annotations.contains_key(NOT_WORKING_ANNOTATION) && given).then_some(())
-    })
-    .await;
+    let works = || works_and_is_given_buckets(&fleet, "r-1");
+    eventually_within(deadline * 8, "r-1 works again and is given buckets", works).await;
     let took_after = every_change_converges(&fleet, "r-1's lists work again").await;
     let verdict = fleet.finish().await;
     println!(
