@@ -96,13 +96,19 @@ fn a_reinstall_without_the_generation_floor_fails_with_a_trace() {
 #[test]
 fn a_bucket_given_away_without_waiting_for_its_owner_fails_with_a_trace() {
     let broken = Protocol { release: |_, _| true, ..Protocol::correct(1, Faults::Members) };
+    finds_a_late_write("reassigning without waiting for the revoked owner", broken);
+}
+
+/// Checks that `broken` lets a write land after its bucket went to another, and prints the trace.
+fn finds_a_late_write(name: &str, broken: Protocol) {
     let checker = check(broken, 0);
     let trace = checker
         .discovery("no accepted write after the bucket was granted to another")
-        .expect("reassigning without waiting for the revoked owner must let a late write land");
+        .unwrap_or_else(|| panic!("{name} must let a late write land"));
     let steps: Vec<Action> = trace.clone().into_actions();
     let last = trace.last_state();
-    println!("counterexample in {} steps: {steps:?}\n{}", steps.len(), last.violation.as_deref().unwrap_or_default());
+    let violation = last.violation.as_deref().unwrap_or_default();
+    println!("{name}: counterexample in {} steps: {steps:?}\n{violation}", steps.len());
     assert!(last.violation.is_some());
 }
 
@@ -123,9 +129,9 @@ fn landing_bound() -> u64 {
     config.landing_bound().as_millis() as u64
 }
 
-/// A member cut off from its Lease keeps writing to the end of its right, with every clock
-/// running fast or slow by `rate` (a fraction of the bound docs/sharding.md derives, "The
-/// margin": `ρ ≤ (LD − RD − 2W) / (LD + RD + 2W)`).
+/// A member cut off from its Lease keeps writing to the end of its right, with clocks running
+/// fast or slow by `share_of_bound` of the bound docs/sharding.md derives ("The margin":
+/// `ρ ≤ (LD − RD − 2W) / (LD + RD + 2W)`).
 fn drifting(share_of_bound: f64) -> (Protocol, i64) {
     let (lease, renew, landing) = (LEASE as f64, protocol::RENEW_DEADLINE as f64, landing_bound() as f64);
     let bound = (lease - renew - landing) / (lease + renew + landing);
@@ -143,16 +149,5 @@ fn a_member_cut_off_from_its_lease_with_clocks_drifting_within_the_bound() {
 #[test]
 fn clocks_drifting_past_the_bound_fail_with_a_trace() {
     let (broken, drift_ppm) = drifting(1.1);
-    let checker = check(broken, 0);
-    let trace = checker
-        .discovery("no accepted write after the bucket was granted to another")
-        .expect("clocks drifting past the bound must let a late write land");
-    let steps: Vec<Action> = trace.clone().into_actions();
-    let last = trace.last_state();
-    println!(
-        "clocks {drift_ppm} ppm fast or slow: counterexample in {} steps: {steps:?}\n{}",
-        steps.len(),
-        last.violation.as_deref().unwrap_or_default()
-    );
-    assert!(last.violation.is_some());
+    finds_a_late_write(&format!("clocks {drift_ppm} ppm fast or slow, past the bound"), broken);
 }
