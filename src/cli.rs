@@ -154,6 +154,11 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_KUBE_API_HTTP2", default_value_t = true, action = clap::ArgAction::Set)]
     pub kube_api_http2: bool,
 
+    /// Which gateway's own resource carries a policy's rate limit: `auto` follows the
+    /// controllerName of the GatewayClass of the policy's Gateway (docs/gateways.md).
+    #[arg(long, env = "TPO_GATEWAY_PROVIDER", value_enum, default_value = "auto")]
+    pub gateway_provider: crate::reconcile::gateway::ProviderChoice,
+
     /// Test mode: append a JSON line per reconcile start, API write and reconcile end here.
     #[arg(long, env = "TPO_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,

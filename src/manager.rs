@@ -175,6 +175,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut reconciler = TrafficPolicyReconciler::new(client.clone(), events, child_versions.clone());
     reconciler.panic_on = args.test_panic_on.clone();
     reconciler.stall_on = args.test_stall_on.clone();
+    reconciler.gateway_provider = args.gateway_provider;
     let reconciler = Arc::new(Sharded::new(reconciler, ownership.clone(), audit.clone()));
     let settings = Settings {
         name: CONTROLLER_NAME,

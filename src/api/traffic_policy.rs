@@ -41,6 +41,10 @@ pub struct ApplicationTrafficPolicySpec {
     /// The gateway's request rate limit for the application. Absent means unlimited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_limit: Option<RateLimit>,
+    /// Which HTTP traffic the rate limit applies to, in Gateway API terms. Absent means the
+    /// limit is published only in the rate-limit ConfigMap, for a gateway that reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewayRouting>,
 }
 
 /// Selects pods by their labels.
@@ -169,6 +173,113 @@ pub struct RateLimit {
     #[serde(default)]
     #[schemars(range(min = 0, max = 1_000_000))]
     pub burst: i32,
+}
+
+/// The HTTP traffic a policy's limit applies to: existing HTTPRoutes, or a route the operator
+/// generates under a Gateway (docs/gateways.md).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "has(self.httpRoutes) != has(self.parentRef)",
+        "message": "set either httpRoutes (existing HTTPRoutes) or parentRef (a Gateway for a route the operator generates), not both"
+    },
+    {
+        "rule": "!has(self.parentRef) || has(self.backendRef)",
+        "message": "a generated route needs backendRef: the application's Service and port",
+        "fieldPath": ".backendRef"
+    },
+    {
+        "rule": "has(self.parentRef) || (!has(self.hostnames) && !has(self.paths) && !has(self.backendRef))",
+        "message": "hostnames, paths and backendRef describe a generated route: set parentRef too, or name existing httpRoutes only"
+    }
+]))]
+pub struct GatewayRouting {
+    /// Existing HTTPRoutes in the policy's namespace that the limit applies to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16))]
+    pub http_routes: Option<Vec<RouteRef>>,
+    /// The Gateway under which the operator generates an HTTPRoute of the policy's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_ref: Option<GatewayRef>,
+    /// The generated route's hostnames. Empty means every hostname the listener accepts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16))]
+    pub hostnames: Option<Vec<Hostname>>,
+    /// The generated route's path matches. Empty means every path (prefix `/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16))]
+    pub paths: Option<Vec<PathMatch>>,
+    /// The application's Service, which the generated route sends traffic to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend_ref: Option<BackendRef>,
+}
+
+/// An HTTPRoute in the policy's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+pub struct RouteRef {
+    /// The HTTPRoute's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// A Gateway, by name.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayRef {
+    /// The Gateway's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The Gateway's namespace; absent means the policy's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: Option<String>,
+    /// One listener of the Gateway, by name; absent means every listener that allows the route.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub section_name: Option<String>,
+}
+
+/// A hostname as Gateway API spells it: a DNS name, optionally with a leading `*.` wildcard.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(transparent)]
+pub struct Hostname(
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub String,
+);
+
+/// A path match of the generated route.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PathMatch {
+    /// How the path matches: `PathPrefix` (the default) or `Exact`.
+    #[serde(default, rename = "type")]
+    pub match_type: PathMatchType,
+    /// The path, starting with `/`.
+    #[schemars(length(min = 1, max = 1024), regex(pattern = r"^/[^\s?#]*$"))]
+    pub value: String,
+}
+
+/// How a path matches.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum PathMatchType {
+    #[default]
+    PathPrefix,
+    Exact,
+}
+
+/// A Service port in the policy's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+pub struct BackendRef {
+    /// The Service's name.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// The Service port, 1 to 65535.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
 }
 
 impl ApplicationTrafficPolicy {

@@ -28,7 +28,7 @@ pub const POLICY_LABEL: &str = "trafficpolicy.dev/policy";
 pub const RATE_LIMIT_KEY: &str = "ratelimit.json";
 
 /// The metadata every child carries.
-fn child_meta(policy: &ApplicationTrafficPolicy, extra_labels: &BTreeMap<String, String>) -> ObjectMeta {
+pub(crate) fn child_meta(policy: &ApplicationTrafficPolicy, extra_labels: &BTreeMap<String, String>) -> ObjectMeta {
     let mut labels = extra_labels.clone();
     labels.insert(MANAGED_BY_LABEL.into(), MANAGED_BY_VALUE.into());
     labels.insert(POLICY_LABEL.into(), truncate_label(&policy.name_any()));
@@ -175,6 +175,7 @@ mod tests {
             }],
             egress_rules: vec![EgressRule { to: vec![], ports: vec![PortRule { protocol: Protocol::Sctp, port: 9 }] }],
             rate_limit: None,
+            gateway: None,
         });
         let np = network_policy(&p, &BTreeMap::new());
         let spec = np.spec.unwrap();
@@ -200,6 +201,7 @@ mod tests {
             ingress_rules: vec![],
             egress_rules: vec![],
             rate_limit: None,
+            gateway: None,
         });
         let spec = network_policy(&p, &BTreeMap::new()).spec.unwrap();
         assert!(spec.ingress.is_none() && spec.egress.is_none());
@@ -213,6 +215,7 @@ mod tests {
             ingress_rules: vec![],
             egress_rules: vec![],
             rate_limit: Some(RateLimit { requests_per_second: 100, burst: 20 }),
+            gateway: None,
         });
         let extra = BTreeMap::from([("extra".to_string(), "1".to_string())]);
         let cm = rate_limit_config_map(&p, &extra);
@@ -239,6 +242,7 @@ mod tests {
             ingress_rules: vec![],
             egress_rules: vec![],
             rate_limit: None,
+            gateway: None,
         });
         let doc: serde_json::Value =
             serde_json::from_str(&rate_limit_config_map(&p, &BTreeMap::new()).data.unwrap()[RATE_LIMIT_KEY]).unwrap();

@@ -13,6 +13,7 @@
 pub mod cached;
 pub mod desired;
 pub mod events;
+pub mod gateway;
 pub mod status;
 
 use std::collections::BTreeMap;
@@ -30,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use self::cached::CachedPolicy;
 use self::events::{Events, Occurrence};
+use self::gateway::verdict::Verdict;
 use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, CONTENT_ANNOTATION, ChildVersions, content_hash};
@@ -74,11 +76,13 @@ pub struct TrafficPolicyReconciler {
     /// Test mode (`--test-stall-on`): the `namespace/name` whose reconcile hangs before it
     /// writes, so the tests can show that a stuck reconcile holds up no handoff.
     pub stall_on: Option<String>,
+    /// Which gateway provider writes the rate limits (`--gateway-provider`).
+    pub gateway_provider: gateway::ProviderChoice,
 }
 
 impl TrafficPolicyReconciler {
     pub fn new(client: Client, events: Events, child_versions: Arc<ChildVersions>) -> Self {
-        Self { client, events, child_versions, panic_on: None, stall_on: None }
+        Self { client, events, child_versions, panic_on: None, stall_on: None, gateway_provider: Default::default() }
     }
 
     /// Applies both children, side by side (neither depends on the other, and a reconcile
@@ -88,12 +92,11 @@ impl TrafficPolicyReconciler {
         policy: &ApplicationTrafficPolicy,
         key: &ObjectKey,
         gate: &dyn WriteGate,
+        labels: &BTreeMap<String, String>,
     ) -> Result<Vec<(&'static str, ApplyEffect)>> {
-        // Children carry the gate's routing labels, so their watches are filtered by the API server.
-        let labels: BTreeMap<String, String> = gate.routing_labels().into_iter().collect();
         let namespace = policy.namespace().unwrap_or_default();
-        let np = desired::network_policy(policy, &labels);
-        let cm = desired::rate_limit_config_map(policy, &labels);
+        let np = desired::network_policy(policy, labels);
+        let cm = desired::rate_limit_config_map(policy, labels);
         let nps = Api::<NetworkPolicy>::namespaced(self.client.clone(), &namespace);
         let cms = Api::<ConfigMap>::namespaced(self.client.clone(), &namespace);
         // Both run to their end, so that what each did is recorded whatever the other did.
@@ -108,7 +111,7 @@ impl TrafficPolicyReconciler {
         &self,
         kind: &'static str,
         api: Api<C>,
-        mut child: C,
+        child: C,
         policy: &ApplicationTrafficPolicy,
         key: &ObjectKey,
         gate: &dyn WriteGate,
@@ -120,11 +123,29 @@ impl TrafficPolicyReconciler {
         if self.child_versions.holds(kind, key, content) {
             return Ok(ApplyEffect::Unchanged);
         }
+        let version = self.send_apply(kind, api.resource_url(), child, content, key, gate).await?;
+        Ok(self.child_versions.written(kind, key, &version, policy.meta().generation, content))
+    }
+
+    /// Server-side applies `child`, stamped with its `content` hash and the gate's fencing
+    /// token; returns its new resourceVersion.
+    async fn send_apply<C>(
+        &self,
+        kind: &str,
+        url: &str,
+        mut child: C,
+        content: u64,
+        key: &ObjectKey,
+        gate: &dyn WriteGate,
+    ) -> Result<String>
+    where
+        C: Resource + Serialize,
+    {
         let permit = gate.check(kind)?;
         child.annotations_mut().insert(CONTENT_ANNOTATION.into(), format!("{content:x}"));
         child.annotations_mut().insert(FENCE_ANNOTATION.into(), permit.token.to_string());
         let params = PatchParams::apply(FIELD_MANAGER).force();
-        let request = Request::new(api.resource_url())
+        let request = Request::new(url)
             .patch(&child.name_any(), &params, &Patch::Apply(&child))
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
@@ -139,8 +160,7 @@ impl TrafficPolicyReconciler {
             }
             other => other,
         })?;
-        let version = applied.metadata.resource_version;
-        Ok(self.child_versions.written(kind, key, &version, policy.meta().generation, content))
+        Ok(applied.metadata.resource_version)
     }
 
     /// Writes status if it differs from what the cache holds (the fencing token aside).
@@ -148,11 +168,11 @@ impl TrafficPolicyReconciler {
         &self,
         policy: &ApplicationTrafficPolicy,
         outcome: &Outcome,
+        gateway: Option<&[Verdict]>,
         gate: &dyn WriteGate,
     ) -> Result<()> {
-        // Whole seconds, as the API server keeps metav1.Time.
-        let now = Time(Timestamp::from_second(Timestamp::now().as_second()).expect("now is in range"));
-        let mut next = status::next_status(policy.status.as_ref(), policy.meta().generation, outcome, &now);
+        let now = now();
+        let mut next = status::next_status(policy.status.as_ref(), policy.meta().generation, outcome, gateway, &now);
         // Unchanged: nothing to write, even when a previous owner's epoch is on it (see
         // docs/sharding.md, "Fencing without rewrites").
         if policy.status.as_ref() == Some(&next) {
@@ -189,7 +209,7 @@ impl TrafficPolicyReconciler {
              install of the operator or a hand edit, and no write of the operator can pass it: remove the token as \
              the operator's identity (docs/operations.md, \"Fencing token conflicts\")"
         );
-        if let Err(error) = self.write_status(policy, &Outcome::TokenConflict(message.clone()), gate).await {
+        if let Err(error) = self.write_status(policy, &Outcome::TokenConflict(message.clone()), None, gate).await {
             tracing::debug!(%error, "could not report the fencing token conflict in the status");
         }
         self.event(policy, gate, Occurrence::Repeating(EventType::Warning), status::TOKEN_CONFLICT, message.clone())
@@ -219,6 +239,11 @@ impl TrafficPolicyReconciler {
     }
 }
 
+/// Now, in whole seconds, as the API server keeps metav1.Time.
+fn now() -> Time {
+    Time(Timestamp::from_second(Timestamp::now().as_second()).expect("now is in range"))
+}
+
 /// The fencing policy refused the write: a newer owner has written since.
 fn is_fenced(status: &kube::core::Status) -> bool {
     status.message.contains(FENCED_MESSAGE)
@@ -239,11 +264,17 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
         let policy = cached.to_policy(key);
         let generation = policy.meta().generation.unwrap_or_default();
         let uid = policy.meta().uid.as_deref().unwrap_or_default();
+        // Children carry the gate's routing labels, so their watches are filtered by the API server.
+        let labels: BTreeMap<String, String> = gate.routing_labels().into_iter().collect();
         let write = self.child_versions.begin_write(key);
-        let applied = self.apply_children(&policy, key, gate).await;
+        let applied = self.apply_children(&policy, key, gate, &labels).await;
         let changed_meanwhile = write.finish();
+        let applied = match applied {
+            Ok(effects) => self.sync_gateway(&policy, key, gate, &labels).await.map(|verdicts| (effects, verdicts)),
+            Err(error) => Err(error),
+        };
         match applied {
-            Ok(effects) => {
+            Ok((effects, verdicts)) => {
                 // Reported once per generation: the cache may not show yet the status this
                 // replica wrote with its event, so its own last event counts too.
                 let already_reported = status::says_applied(cached.ready(), Some(generation))
@@ -262,14 +293,24 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
                     }
                 };
                 // The status and the events side by side: none waits for another.
-                let (status, (), ()) =
-                    futures::join!(self.write_status(&policy, &Outcome::Applied, gate), repaired, applied);
+                let (status, (), ()) = futures::join!(
+                    self.write_status(&policy, &Outcome::Applied, Some(&verdicts), gate),
+                    repaired,
+                    applied
+                );
                 status?;
-                // Someone changed a child while we wrote it: look again at once.
-                Ok(if changed_meanwhile { Action::RequeueAfter(std::time::Duration::ZERO) } else { Action::Done })
+                let recheck =
+                    gateway::verdict::recheck_after(&verdicts, status::pending_for(policy.status.as_ref(), &now()));
+                Ok(match (changed_meanwhile, recheck) {
+                    // Someone changed a child while we wrote it: look again at once.
+                    (true, _) => Action::RequeueAfter(std::time::Duration::ZERO),
+                    // The gateway has yet to answer, or refused: look again later.
+                    (false, Some(after)) => Action::RequeueAfter(after),
+                    (false, None) => Action::Done,
+                })
             }
             Err(Error::InvalidSpec(message)) => {
-                self.write_status(&policy, &Outcome::InvalidSpec(message.clone()), gate).await?;
+                self.write_status(&policy, &Outcome::InvalidSpec(message.clone()), None, gate).await?;
                 self.event(&policy, gate, Occurrence::Repeating(EventType::Warning), "InvalidSpec", message.clone())
                     .await;
                 Err(Error::InvalidSpec(message))
@@ -278,7 +319,7 @@ impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
             Err(error @ (Error::LostOwnership | Error::Fenced(_))) => Err(error),
             Err(error) => {
                 // Best effort: the API may be what is failing.
-                let _ = self.write_status(&policy, &Outcome::ApplyFailed(error.to_string()), gate).await;
+                let _ = self.write_status(&policy, &Outcome::ApplyFailed(error.to_string()), None, gate).await;
                 self.event(&policy, gate, Occurrence::Repeating(EventType::Warning), "ApplyFailed", error.to_string())
                     .await;
                 Err(error)

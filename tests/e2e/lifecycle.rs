@@ -24,6 +24,7 @@ pub fn policy(name: &str, port: i32) -> ApplicationTrafficPolicy {
             }],
             egress_rules: vec![],
             rate_limit: Some(RateLimit { requests_per_second: 100, burst: 10 }),
+            gateway: None,
         },
     )
 }

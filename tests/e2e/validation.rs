@@ -134,6 +134,40 @@ fn cases() -> Vec<(&'static str, Breaker, &'static str)> {
             Box::new(|s| s["ingressRules"][0]["from"][0] = json!({})),
             "spec.ingressRules[0].from[0].ipBlock: Required value",
         ),
+        (
+            "both existing routes and a generated one",
+            Box::new(|s| {
+                s["gateway"] = json!({ "httpRoutes": [{ "name": "r" }], "parentRef": { "name": "edge" },
+                                                 "backendRef": { "name": "web", "port": 80 } })
+            }),
+            "spec.gateway: Invalid value: set either httpRoutes (existing HTTPRoutes) or parentRef",
+        ),
+        (
+            "a generated route without its backend",
+            Box::new(|s| s["gateway"] = json!({ "parentRef": { "name": "edge" } })),
+            "spec.gateway.backendRef: Invalid value: a generated route needs backendRef",
+        ),
+        (
+            "route fields without a Gateway",
+            Box::new(|s| s["gateway"] = json!({ "httpRoutes": [{ "name": "r" }], "hostnames": ["a.example.com"] })),
+            "hostnames, paths and backendRef describe a generated route",
+        ),
+        (
+            "a hostname with a port",
+            Box::new(|s| {
+                s["gateway"] = json!({ "parentRef": { "name": "edge" }, "hostnames": ["a.example.com:80"],
+                                                 "backendRef": { "name": "web", "port": 80 } })
+            }),
+            "spec.gateway.hostnames[0]: Invalid value: \"a.example.com:80\": spec.gateway.hostnames[0] in body should match",
+        ),
+        (
+            "a relative path",
+            Box::new(|s| {
+                s["gateway"] = json!({ "parentRef": { "name": "edge" }, "paths": [{ "value": "api" }],
+                                                 "backendRef": { "name": "web", "port": 80 } })
+            }),
+            "spec.gateway.paths[0].value: Invalid value: \"api\": spec.gateway.paths[0].value in body should match",
+        ),
     ]
 }
 

@@ -14,6 +14,7 @@
 //! ```
 
 mod certs;
+pub mod gateway;
 pub mod gateway_timeout;
 mod identity;
 pub mod manifests;
@@ -218,6 +219,11 @@ impl ControlPlane {
     /// An admin kubeconfig (group system:masters).
     pub fn kubeconfig_path(&self) -> PathBuf {
         self.dir.join("admin.kubeconfig")
+    }
+
+    /// The admin's bearer token (system:masters), for processes that take a token.
+    pub fn admin_token(&self) -> &str {
+        &self.admin_token
     }
 
     pub fn server_url(&self) -> String {

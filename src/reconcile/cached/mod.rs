@@ -11,6 +11,7 @@
 //! generation, resourceVersion). A unit test holds the two forms equal. Labels are not
 //! kept: the bucket a policy's labels may route it to is kept with it by the cache.
 
+use std::num::NonZeroI64;
 use std::sync::Arc;
 
 use kube::api::ObjectMeta;
@@ -19,7 +20,7 @@ mod text;
 
 use crate::api::{
     ApplicationSelector, ApplicationTrafficPolicy, ApplicationTrafficPolicySpec, ApplicationTrafficPolicyStatus, Cidr,
-    Condition, EgressRule, IngressRule, IpBlock, Peer, PortRule, RateLimit, Time,
+    Condition, EgressRule, GatewayRouting, IngressRule, IpBlock, Peer, PortRule, RateLimit, Time,
 };
 use crate::runtime::ObjectKey;
 use crate::runtime::stored::Stored;
@@ -31,7 +32,8 @@ use text::{CidrRange, Shared, Token};
 pub struct CachedPolicy {
     uid: Option<Token>,
     resource_version: Option<Token>,
-    generation: Option<i64>,
+    /// The API server starts generations at 1, so 0 is `None`, and the option costs nothing.
+    generation: Option<NonZeroI64>,
     spec: Spec,
     status: Option<Status>,
 }
@@ -42,6 +44,8 @@ struct Spec {
     ingress: Box<[Rule]>,
     egress: Box<[Rule]>,
     rate_limit: Option<RateLimit>,
+    /// Rare, so boxed: eight bytes for the policies without one.
+    gateway: Option<Box<GatewayRouting>>,
 }
 
 /// An ingress or egress rule: its peers (`from` or `to`) and ports.
@@ -89,7 +93,7 @@ impl CachedPolicy {
         Self {
             uid: meta.uid.as_deref().map(Token::new),
             resource_version: meta.resource_version.as_deref().map(Token::new),
-            generation: meta.generation,
+            generation: meta.generation.and_then(NonZeroI64::new),
             spec: Spec::new(&policy.spec),
             status: policy.status.as_ref().map(Status::new),
         }
@@ -102,7 +106,7 @@ impl CachedPolicy {
             namespace: Some(key.namespace().into()),
             uid: self.uid.as_ref().map(Token::to_string),
             resource_version: self.resource_version.as_ref().map(Token::to_string),
-            generation: self.generation,
+            generation: self.generation(),
             ..Default::default()
         };
         ApplicationTrafficPolicy {
@@ -136,7 +140,7 @@ impl Stored for CachedPolicy {
     }
 
     fn generation(&self) -> Option<i64> {
-        self.generation
+        self.generation.map(NonZeroI64::get)
     }
 
     fn is_version(&self, resource_version: Option<&str>) -> bool {
@@ -157,6 +161,7 @@ impl Spec {
             ingress: spec.ingress_rules.iter().map(|rule| Rule::new(&rule.from, &rule.ports)).collect(),
             egress: spec.egress_rules.iter().map(|rule| Rule::new(&rule.to, &rule.ports)).collect(),
             rate_limit: spec.rate_limit.clone(),
+            gateway: spec.gateway.clone().map(Box::new),
         }
     }
 
@@ -175,6 +180,7 @@ impl Spec {
                 .map(|r| EgressRule { to: r.to_peers(), ports: r.ports.to_vec() })
                 .collect(),
             rate_limit: self.rate_limit.clone(),
+            gateway: self.gateway.as_deref().cloned(),
         }
     }
 }
@@ -260,7 +266,9 @@ mod tests {
                 { "ports": [{ "protocol": "SCTP", "port": 9 }] }
             ],
             "egressRules": [{ "to": [{ "ipBlock": { "cidr": "10.0.0.1/8" } }, { "ipBlock": { "cidr": "::ffff:10.0.0.0/104" } }] }],
-            "rateLimit": { "requestsPerSecond": 100, "burst": 20 }
+            "rateLimit": { "requestsPerSecond": 100, "burst": 20 },
+            "gateway": { "parentRef": { "name": "edge", "sectionName": "web" }, "hostnames": ["shop.example.com"],
+                         "paths": [{ "type": "Exact", "value": "/api" }], "backendRef": { "name": "web", "port": 80 } }
         }))
         .unwrap();
         let mut policy = ApplicationTrafficPolicy::new("web", spec);
