@@ -4,7 +4,9 @@
 #   loadtest/demo.sh            # Ctrl-C stops everything
 #   loadtest/demo.sh --no-wait  # show the result, then stop everything (CI runs this)
 #
-# Needs Rust, Go (once, to build the control plane) and kubectl.
+# Needs Rust, Go (once, to build the control plane and Traefik) and kubectl. The gateway part
+# (Traefik enforcing a policy's rate limit) also needs root, `ip` and python3, for a backend
+# in a network namespace of its own; without them it is skipped, and says so.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -32,11 +34,20 @@ echo "[demo] building the operator and the control-plane runner..."
 cargo build -q --workspace --bins
 bin="${CARGO_TARGET_DIR:-target}/debug"
 
-echo "[demo] starting the control plane (the first run also builds it from Go modules: minutes)..."
+gateway_args=()
+if [[ $(id -u) == 0 ]] && command -v ip >/dev/null && command -v python3 >/dev/null; then
+  gateway_args=(--gateway-backend "hello from the storefront")
+else
+  echo "[demo] no gateway: the backend behind it needs root, 'ip' and python3"
+fi
+
+echo "[demo] starting the control plane (the first run also builds it and Traefik from Go modules: minutes)..."
 rm -f "$KUBECONFIG" "$state/controlplane.out"
-"$bin/controlplane" --kubeconfig "$KUBECONFIG" >"$state/controlplane.out" &
+"$bin/controlplane" --kubeconfig "$KUBECONFIG" "${gateway_args[@]}" >"$state/controlplane.out" &
 pids+=($!)
-until grep -q "control plane ready" "$state/controlplane.out" 2>/dev/null; do
+ready_line="control plane ready"
+((${#gateway_args[@]})) && ready_line="gateway on"
+until grep -q "$ready_line" "$state/controlplane.out" 2>/dev/null; do
   kill -0 "${pids[0]}" 2>/dev/null || { cat "$state/controlplane.out"; exit 1; }
   sleep 0.2
 done
@@ -67,12 +78,55 @@ kubectl get atp -A
 echo
 "$bin/traffic-policy-operator" shards --namespace "$operator_ns"
 echo
+
+if ((${#gateway_args[@]})); then
+  port=$(sed -n 's/^gateway on 127.0.0.1:\([0-9]*\).*/\1/p' "$state/controlplane.out")
+  backend=$(sed -n 's/^backend on \(.*\):[0-9]*$/\1/p' "$state/controlplane.out")
+  backend_port=$(sed -n 's/^backend on .*:\([0-9]*\)$/\1/p' "$state/controlplane.out")
+  echo "[demo] Traefik on 127.0.0.1:$port; a Gateway, the storefront Service, and a policy limiting it to 2 requests/s"
+  kubectl apply -f - >/dev/null <<EOF
+apiVersion: gateway.networking.k8s.io/v1
+kind: GatewayClass
+metadata: {name: traefik}
+spec: {controllerName: traefik.io/gateway-controller}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: edge, namespace: shop}
+spec:
+  gatewayClassName: traefik
+  listeners: [{name: web, port: $port, protocol: HTTP}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: storefront, namespace: shop}
+spec: {ports: [{port: 80, targetPort: $backend_port}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: storefront, namespace: shop, labels: {kubernetes.io/service-name: storefront}}
+addressType: IPv4
+endpoints: [{addresses: ["$backend"], conditions: {ready: true}}]
+ports: [{port: $backend_port, protocol: TCP}]
+EOF
+  kubectl apply -f deploy/samples/gateway/storefront.yaml
+  kubectl wait --for condition=RateLimitAccepted --timeout=120s atp/storefront -n shop >/dev/null
+  kubectl get atp storefront -n shop \
+    -o custom-columns='POLICY:.metadata.name,ROUTE:.status.conditions[?(@.type=="RouteAccepted")].reason,RATE-LIMIT:.status.conditions[?(@.type=="RateLimitAccepted")].message'
+  echo "[demo] 8 requests at once through the gateway (curl -H 'Host: shop.example.com' http://127.0.0.1:$port/):"
+  for _ in $(seq 1 8); do
+    curl -s -o /dev/null -w "%{http_code} " -H "Host: shop.example.com" "http://127.0.0.1:$port/"
+  done
+  echo
+  echo
+fi
 if ! $wait_at_end; then
   exit 0
 fi
 echo "Try it from another shell:"
 echo "  export KUBECONFIG=$KUBECONFIG"
 echo "  kubectl get atp -A; kubectl get networkpolicies,configmaps -n shop"
+((${#gateway_args[@]})) && echo "  curl -i -H 'Host: shop.example.com' http://127.0.0.1:$port/; kubectl get httproutes,middlewares -n shop"
 echo "  $bin/traffic-policy-operator shards --namespace $operator_ns"
 echo "Press Ctrl-C to stop everything."
 wait "${pids[0]}"

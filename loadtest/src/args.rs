@@ -79,6 +79,19 @@ pub struct Args {
     /// and report their latency separately: real changes should not wait behind the backlog.
     #[arg(long, default_value_t = 0)]
     pub edits: usize,
+    /// Put a real gateway in front of the policies (operator mode): each policy gets a route
+    /// under one Gateway, and once converged, `--gateway-edits` single edits are timed from
+    /// the spec edit to the gateway enforcing the new limit.
+    #[arg(long, value_enum)]
+    pub gateway: Option<crate::gateway::GatewayKind>,
+    /// With --gateway: how many edits to time.
+    #[arg(long, default_value_t = 200)]
+    pub gateway_edits: usize,
+    /// With --gateway: how many policies get a route (spread evenly over the run; default:
+    /// all). Traefik rebuilds its whole routing table on each change, so thousands of routes
+    /// take it minutes on a small machine (docs/benchmarks.md).
+    #[arg(long)]
+    pub gateway_routes: Option<usize>,
     /// After convergence (operator mode), count what the API server receives when nothing
     /// changes: a forced resync of every policy, then a rolling restart of every replica.
     /// Needs `--resync-seconds`.
@@ -126,6 +139,11 @@ pub struct Args {
 }
 
 impl Args {
+    /// Whether policy `i` gets a route (with --gateway), and every how many policies one does.
+    pub fn route_stride(&self) -> usize {
+        (self.objects / self.gateway_routes.unwrap_or(self.objects).clamp(1, self.objects.max(1))).max(1)
+    }
+
     /// The name of namespace number `n`.
     pub fn namespace_name(&self, n: usize) -> String {
         // Not ending in the number: the shard selector's hash (FNV-1a) puts names that differ

@@ -10,6 +10,7 @@ mod cluster;
 mod compare;
 mod deploy;
 mod fencing_cost;
+mod gateway;
 mod handoff;
 mod interrupt;
 mod ownership_cost;

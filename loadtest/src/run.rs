@@ -77,6 +77,11 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     if args.mode == Mode::Operator && args.sharding == Sharding::Labels {
         crate::deploy::install_bucket_labels(&client, &args.namespace_name(0)).await?;
     }
+    let gateway = match args.gateway {
+        Some(_) if args.mode == Mode::Operator => Some(crate::gateway::start(cp, &client, args).await?),
+        Some(_) => anyhow::bail!("--gateway needs the operator mode"),
+        None => None,
+    };
     let tracker = Arc::new(Mutex::new(Tracker::default()));
     let watch = AbortOnDropHandle::new(tokio::spawn(track(client.clone(), tracker.clone(), None)));
     let server_before = crate::server_load::snapshot(cp, &client).await?;
@@ -130,6 +135,12 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     let mut handoff = None;
     if args.handoff && args.mode == Mode::Operator {
         handoff = Some(crate::handoff::measure(cp, &client, args, &mut replicas, &pids, &tracker).await?);
+    }
+    let mut edit_to_enforcement = None;
+    if let Some(gateway) = &gateway {
+        eprintln!("timing {} edits from the spec to the gateway's enforcement...", args.gateway_edits);
+        edit_to_enforcement =
+            Some(crate::gateway::edit_to_enforcement(&client, args, gateway, args.gateway_edits).await?);
     }
     let mut delete_seconds = None;
     if args.delete {
@@ -199,6 +210,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
         "at_rest": at_rest,
         "handoff": handoff,
         "balance": balance,
+        "gateway_edit_to_enforcement_ms": edit_to_enforcement,
         "throughput_per_second": args.objects as f64 / converge_seconds,
         "latency_ms": latency_percentiles(&tracker.latencies_ms),
         "replica_stats": per_replica,
@@ -244,6 +256,20 @@ pub fn summary(result: &serde_json::Value) -> String {
     );
     if result["control_plane"].is_object() {
         text += &crate::server_load::summary(&result["control_plane"]);
+    }
+    if let Some(g) = result["gateway_edit_to_enforcement_ms"].as_object() {
+        text += &format!(
+            "  gateway: {} routes, all answering {:.0} s after convergence; {} edits, spec edit to enforcement p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms (the operator's Middleware write in the API server: p50 {:.0} ms, p99 {:.0} ms); not enforced within 60 s: {}\n",
+            g["routes"],
+            g["all_routed_after_convergence_seconds"].as_f64().unwrap_or_default(),
+            g["count"],
+            g["p50"].as_f64().unwrap_or_default(),
+            g["p99"].as_f64().unwrap_or_default(),
+            g["max"].as_f64().unwrap_or_default(),
+            g["written_ms"]["p50"].as_f64().unwrap_or_default(),
+            g["written_ms"]["p99"].as_f64().unwrap_or_default(),
+            g["not_enforced_within_60_s"].as_array().map_or(0, Vec::len),
+        );
     }
     if let Some(at_rest) = result["at_rest"].as_object() {
         for (phase, what) in [("resync", "a forced resync"), ("rolling_restart", "a rolling restart")] {

@@ -100,7 +100,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTrafficPolicy> {
     let labels: std::collections::BTreeMap<&str, &str> =
         args.run_label.iter().map(|id| (RUN_LABEL, id.as_str())).collect();
-    Ok(serde_json::from_value(json!({
+    let mut policy = json!({
         "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
         "metadata": { "name": format!("app-{i}"), "namespace": args.namespace_of(i), "labels": labels },
         "spec": {
@@ -110,7 +110,11 @@ fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTraffic
             "egressRules": [{ "to": [{ "ipBlock": { "cidr": "10.96.0.0/12" } }], "ports": [{ "protocol": "UDP", "port": 53 }] }],
             "rateLimit": { "requestsPerSecond": 100, "burst": 20 }
         }
-    }))?)
+    });
+    if args.gateway.is_some() && i.is_multiple_of(args.route_stride()) {
+        policy["spec"]["gateway"] = crate::gateway::routing(i, args);
+    }
+    Ok(serde_json::from_value(policy)?)
 }
 
 /// The floor's events, published as the operator publishes them.

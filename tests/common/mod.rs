@@ -175,6 +175,32 @@ async fn install_once(cp: &'static ControlPlane) {
 
 /// The fencing policy's binding, removed while a scenario shows that the timing layer holds
 /// on its own; put back by [`Unfenced::restore`], or when dropped (a failed test).
+/// Installs the gateway CRDs (Gateway API, Traefik's, Envoy Gateway's BackendTrafficPolicy),
+/// once per test process; the first call may build Traefik (see `controlplane::gateway`).
+pub async fn install_gateway_crds(client: &Client) {
+    static INSTALLED: OnceCell<()> = OnceCell::const_new();
+    INSTALLED
+        .get_or_init(|| async {
+            let files = tokio::task::spawn_blocking(controlplane::gateway::crd_files).await.unwrap().unwrap();
+            let mut names = Vec::new();
+            for file in files {
+                let objects = manifests::read(&file).unwrap();
+                names.extend(objects.iter().map(|o| o.name_any()));
+                manifests::apply(client, &objects, "e2e-tests").await.unwrap();
+            }
+            let crds = Api::<CustomResourceDefinition>::all(client.clone());
+            for name in names {
+                eventually(&format!("CRD {name} is established"), || async {
+                    let crd = crds.get(&name).await.ok()?;
+                    let conditions = crd.status?.conditions?;
+                    conditions.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(())
+                })
+                .await;
+            }
+        })
+        .await;
+}
+
 pub struct Unfenced {
     binding: Option<ValidatingAdmissionPolicyBinding>,
 }

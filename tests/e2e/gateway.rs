@@ -5,45 +5,17 @@
 use std::time::{Duration, Instant};
 
 use controlplane::gateway::{Backend, TRAEFIK_CONTROLLER, Traefik};
-use controlplane::manifests;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
-use tokio::sync::OnceCell;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 use traffic_policy_operator::reconcile::gateway::{self, Provider, objects};
 
-use crate::support::{TestEnv, eventually, eventually_within};
+use crate::support::{TestEnv, eventually, eventually_within, install_gateway_crds};
 
 const HOST: &str = "shop.test";
-
-async fn install_gateway_crds(client: &Client) {
-    static INSTALLED: OnceCell<()> = OnceCell::const_new();
-    INSTALLED
-        .get_or_init(|| async {
-            let files = tokio::task::spawn_blocking(controlplane::gateway::crd_files).await.unwrap().unwrap();
-            let mut names = Vec::new();
-            for file in files {
-                let objects = manifests::read(&file).unwrap();
-                names.extend(objects.iter().map(|o| o.name_any()));
-                manifests::apply(client, &objects, "e2e-tests").await.unwrap();
-            }
-            let crds = Api::<CustomResourceDefinition>::all(client.clone());
-            for name in names {
-                eventually(&format!("CRD {name} is established"), || async {
-                    let crd = crds.get(&name).await.ok()?;
-                    let established =
-                        crd.status?.conditions?.into_iter().any(|c| c.type_ == "Established" && c.status == "True");
-                    established.then_some(())
-                })
-                .await;
-            }
-        })
-        .await;
-}
 
 fn dynamic(env: &TestEnv, resource: &kube::core::ApiResource) -> Api<DynamicObject> {
     Api::namespaced_with(env.client.clone(), &env.namespace, resource)

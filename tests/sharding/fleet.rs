@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use controlplane::Grant;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
@@ -357,6 +357,7 @@ pub async fn create_policies(client: &Client, namespace: &str, scenario: &str, c
     let meta = ObjectMeta { name: Some(namespace.into()), labels, ..Default::default() };
     let ns = Namespace { metadata: meta, ..Default::default() };
     Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
+    gateway_in(client, namespace).await;
     let policies = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
     for i in 0..count {
         policies.create(&PostParams::default(), &policy(&format!("app-{i}"), scenario)).await.unwrap();
@@ -364,7 +365,7 @@ pub async fn create_policies(client: &Client, namespace: &str, scenario: &str, c
 }
 
 pub fn policy(name: &str, scenario: &str) -> ApplicationTrafficPolicy {
-    serde_json::from_value(json!({
+    let mut policy = json!({
         "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
         "metadata": { "name": name, "labels": { "scenario": scenario } },
         "spec": {
@@ -372,8 +373,33 @@ pub fn policy(name: &str, scenario: &str) -> ApplicationTrafficPolicy {
             "ingressRules": [{ "from": [{ "ipBlock": { "cidr": "10.0.0.0/8" } }], "ports": [{ "port": 8080 }] }],
             "rateLimit": { "requestsPerSecond": COUNTER.fetch_add(1, Ordering::Relaxed) }
         }
-    }))
-    .unwrap()
+    });
+    // One policy per namespace has a gateway half, so that the judge sees its writes too: a
+    // generated HTTPRoute and a Traefik Middleware (no Traefik runs: the route stays Pending).
+    if name == "app-0" {
+        policy["spec"]["gateway"] =
+            json!({ "parentRef": { "name": "edge" }, "backendRef": { "name": "app", "port": 80 } });
+    }
+    serde_json::from_value(policy).unwrap()
+}
+
+/// A Gateway `edge` in `namespace`, of a class served by Traefik's controller name.
+async fn gateway_in(client: &Client, namespace: &str) {
+    use traffic_policy_operator::reconcile::gateway::{gateway, gateway_class};
+    crate::common::install_gateway_crds(client).await;
+    let apply = PatchParams::apply("sharding-tests");
+    let class: DynamicObject = serde_json::from_value(json!({ "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "GatewayClass", "metadata": { "name": "sharding" },
+        "spec": { "controllerName": controlplane::gateway::TRAEFIK_CONTROLLER } }))
+    .unwrap();
+    let classes = Api::<DynamicObject>::all_with(client.clone(), &gateway_class());
+    classes.patch("sharding", &apply, &Patch::Apply(&class)).await.unwrap();
+    let edge: DynamicObject = serde_json::from_value(json!({ "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "Gateway", "metadata": { "name": "edge" },
+        "spec": { "gatewayClassName": "sharding", "listeners": [{ "name": "web", "port": 80, "protocol": "HTTP" }] } }))
+    .unwrap();
+    let gateways = Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &gateway());
+    gateways.patch("edge", &apply, &Patch::Apply(&edge)).await.unwrap();
 }
 
 /// Polls `check` until it holds, for up to `DEADLINE`.

@@ -6,6 +6,7 @@
 //!   processes writing one object with the same epoch, or an accepted write with a lower
 //!   epoch than one already accepted, is an overlap. A write the fencing policy refused is
 //!   a fenced late write.
+//!   The gateway objects (HTTPRoute, Middleware) are judged as the other children are.
 //! - [`ForwardOnly`] watches the rate-limit ConfigMaps: the tests write an ever-growing
 //!   counter into the specs, so a child whose counter goes back was written from an older
 //!   spec after a newer one.
@@ -61,7 +62,9 @@ pub fn writes(audit_log: &Path, users: &BTreeSet<String>) -> Vec<Write> {
                 "status" => request["status"]["shardEpoch"].as_u64(),
                 _ => request["metadata"]["annotations"][FENCE].as_str().and_then(|v| v.parse().ok()),
             };
+            // The spec counter: in the rate-limit ConfigMap's document, or a Middleware's average.
             let rate = request["data"].as_object().and_then(|d| d.values().next()?.as_str()).and_then(rate_in);
+            let rate = rate.or_else(|| request["spec"]["rateLimit"]["average"].as_u64());
             let code = e["responseStatus"]["code"].as_u64().unwrap_or(0) as u16;
             let message = e["responseStatus"]["message"].as_str().unwrap_or_default();
             Some(Write {

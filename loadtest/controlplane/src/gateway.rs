@@ -58,7 +58,8 @@ pub struct Traefik {
 }
 
 impl Traefik {
-    /// Starts Traefik watching `namespaces` of `cp` as the admin, and waits until it pings.
+    /// Starts Traefik watching `namespaces` of `cp` (all when empty) as the admin, and waits
+    /// until it pings.
     pub fn start(cp: &ControlPlane, namespaces: &[&str], log_name: &str) -> Result<Self> {
         let bin = ensure_gateway()?.join("traefik");
         let (web_port, ping_port) = (free_port()?, free_port()?);
@@ -75,7 +76,9 @@ impl Traefik {
             args.push(format!("--providers.{provider}.endpoint={}", cp.server_url()));
             args.push(format!("--providers.{provider}.token={}", cp.admin_token()));
             args.push(format!("--providers.{provider}.certauthfilepath={ca}"));
-            args.push(format!("--providers.{provider}.namespaces={}", namespaces.join(",")));
+            if !namespaces.is_empty() {
+                args.push(format!("--providers.{provider}.namespaces={}", namespaces.join(",")));
+            }
         }
         let log = cp.dir().join(format!("{log_name}.log"));
         let mut process = Process::start("traefik", &bin, &args, &log)?;

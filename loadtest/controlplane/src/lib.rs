@@ -53,6 +53,12 @@ rules:
         resources: ["networkpolicies"]
       - group: "trafficpolicy.dev"
         resources: ["applicationtrafficpolicies", "applicationtrafficpolicies/status"]
+      - group: "gateway.networking.k8s.io"
+        resources: ["httproutes"]
+      - group: "traefik.io"
+        resources: ["middlewares"]
+      - group: "gateway.envoyproxy.io"
+        resources: ["backendtrafficpolicies"]
       - group: "coordination.k8s.io"
         resources: ["leases"]
   - level: None
