@@ -39,6 +39,12 @@ impl Sharding {
     }
 }
 
+/// Which gateway a run puts in front of the policies (`--gateway`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum GatewayKind {
+    Traefik,
+}
+
 #[derive(clap::Args, Clone)]
 pub struct Args {
     #[arg(long, default_value_t = 1000)]
@@ -83,7 +89,7 @@ pub struct Args {
     /// under one Gateway, and once converged, `--gateway-edits` single edits are timed from
     /// the spec edit to the gateway enforcing the new limit.
     #[arg(long, value_enum)]
-    pub gateway: Option<crate::gateway::GatewayKind>,
+    pub gateway: Option<GatewayKind>,
     /// With --gateway: how many edits to time.
     #[arg(long, default_value_t = 200)]
     pub gateway_edits: usize,

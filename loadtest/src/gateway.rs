@@ -14,28 +14,7 @@ use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::gateway::{Provider, Traefik as Traefik_, gateway, gateway_class};
 
 use crate::args::Args;
-
-/// Which gateway the run puts in front of the policies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum GatewayKind {
-    Traefik,
-}
-
-/// The Gateway every policy's route hangs under, in the run's first namespace.
-pub const GATEWAY: &str = "edge";
-/// The Service every namespace has, backed by the one backend.
-const SERVICE: &str = "app";
-
-/// The host of policy `i`'s route.
-pub fn host(i: usize) -> String {
-    format!("app-{i}.load.test")
-}
-
-/// `spec.gateway` of policy `i`.
-pub fn routing(i: usize, args: &Args) -> Value {
-    json!({ "parentRef": { "name": GATEWAY, "namespace": args.namespace_name(0) }, "hostnames": [host(i)],
-            "backendRef": { "name": SERVICE, "port": 80 } })
-}
+use crate::workload::{GATEWAY, SERVICE, edit_percentiles, host};
 
 /// The gateway and what it needs: running until dropped.
 pub struct Running {
@@ -161,10 +140,10 @@ pub async fn edit_to_enforcement(
             eprintln!("gateway edits: {} of {edits} timed", k + 1);
         }
     }
-    let mut timing = crate::workload::edit_percentiles(latencies);
+    let mut timing = edit_percentiles(latencies);
     timing["not_enforced_within_60_s"] = json!(failed);
     timing["routes"] = json!(routed.len());
-    timing["written_ms"] = crate::workload::edit_percentiles(written_latencies);
+    timing["written_ms"] = edit_percentiles(written_latencies);
     timing["all_routed_after_convergence_seconds"] = json!(all_routed_seconds);
     Ok(timing)
 }

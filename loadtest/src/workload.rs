@@ -97,6 +97,16 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted.get(((sorted.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
 }
 
+/// With --gateway: the Gateway every routed policy's route hangs under, in the run's first
+/// namespace, and the Service every namespace has, backed by the run's one backend.
+pub const GATEWAY: &str = "edge";
+pub const SERVICE: &str = "app";
+
+/// The host of policy `i`'s route.
+pub fn host(i: usize) -> String {
+    format!("app-{i}.load.test")
+}
+
 fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTrafficPolicy> {
     let labels: std::collections::BTreeMap<&str, &str> =
         args.run_label.iter().map(|id| (RUN_LABEL, id.as_str())).collect();
@@ -112,7 +122,8 @@ fn policy(i: usize, args: &Args, port: i32) -> anyhow::Result<ApplicationTraffic
         }
     });
     if args.gateway.is_some() && i.is_multiple_of(args.route_stride()) {
-        policy["spec"]["gateway"] = crate::gateway::routing(i, args);
+        policy["spec"]["gateway"] = json!({ "parentRef": { "name": GATEWAY, "namespace": args.namespace_name(0) },
+                                            "hostnames": [host(i)], "backendRef": { "name": SERVICE, "port": 80 } });
     }
     Ok(serde_json::from_value(policy)?)
 }

@@ -12,6 +12,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams
 use serde_json::{Value, json};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 use traffic_policy_operator::reconcile::gateway::{self, Provider, objects};
+use traffic_policy_operator::runtime::gate::FENCE_ANNOTATION;
 
 use crate::support::{TestEnv, eventually, eventually_within, install_gateway_crds};
 
@@ -322,6 +323,13 @@ async fn envoy_gateway_output_is_accepted_by_its_crds() {
     );
     assert_eq!(spec["rateLimit"]["local"]["rules"][0]["limit"], json!({ "requests": 7, "unit": "Second" }));
     assert_eq!(written.owner_references()[0].name, "web");
+    // The fencing policy covers the gateway kinds: no one but the operator may touch a token.
+    let routes = dynamic(&env, &gateway::http_route());
+    for (api, kind) in [(&btps, "BackendTrafficPolicy"), (&routes, "HTTPRoute")] {
+        let forged = json!({ "metadata": { "annotations": { FENCE_ANNOTATION: "999999" } } });
+        let refused = api.patch("web", &PatchParams::default(), &Patch::Merge(&forged)).await.unwrap_err().to_string();
+        assert!(refused.contains("may not set, change or remove it"), "{kind}: {refused}");
+    }
     // No Envoy Gateway runs here: the policy says it waits for one, and hides nothing.
     let message = wait_condition(&env, "web", "RouteAccepted", ConditionStatus::Unknown, "Pending").await;
     assert!(message.contains("HTTPRoute web"), "{message}");

@@ -245,12 +245,18 @@ fn kind_name(kind: &str) -> &'static str {
     ["HTTPRoute", "Middleware", "BackendTrafficPolicy"].into_iter().find(|k| *k == kind).unwrap_or("")
 }
 
-/// Whether `object` has the policy as its controller owner.
+/// Whether `object` is the policy's: its controller is an ApplicationTrafficPolicy of the
+/// policy's name. The uid may differ: a policy deleted and created again (a restore) finds
+/// what the one before it wrote, which the garbage collector has yet to remove, and takes
+/// it over, as server-side apply takes over its NetworkPolicy and ConfigMap.
 fn owned_by(object: &Value, policy: &ApplicationTrafficPolicy) -> bool {
-    let uid = policy.uid().unwrap_or_default();
-    object["metadata"]["ownerReferences"]
-        .as_array()
-        .is_some_and(|owners| owners.iter().any(|o| o["uid"] == uid.as_str() && o["controller"] == true))
+    let owners = object["metadata"]["ownerReferences"].as_array().map(Vec::as_slice).unwrap_or_default();
+    owners.iter().any(|o| {
+        o["controller"] == true
+            && o["kind"] == ApplicationTrafficPolicy::kind(&()).as_ref()
+            && o["apiVersion"] == ApplicationTrafficPolicy::api_version(&()).as_ref()
+            && o["name"] == policy.name_any().as_str()
+    })
 }
 
 /// Whether the policy's status shows a gateway half it may still have objects of.
@@ -258,4 +264,29 @@ fn had_gateway_half(policy: &ApplicationTrafficPolicy) -> bool {
     policy.status.as_ref().is_some_and(|s| {
         s.conditions.iter().any(|c| c.type_ == verdict::ROUTE_ACCEPTED || c.type_ == verdict::RATE_LIMIT_ACCEPTED)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn owned(kind: &str, name: &str, uid: &str, controller: bool) -> Value {
+        json!({ "metadata": { "ownerReferences": [{ "apiVersion": "trafficpolicy.dev/v1", "kind": kind, "name": name,
+            "uid": uid, "controller": controller }] } })
+    }
+
+    #[test]
+    fn an_earlier_policy_of_the_same_name_counts_as_the_policys_own() {
+        let spec =
+            serde_json::from_value(json!({ "applicationSelector": { "matchLabels": { "app": "web" } } })).unwrap();
+        let mut policy = ApplicationTrafficPolicy::new("web", spec);
+        policy.metadata.uid = Some("new".into());
+        assert!(owned_by(&owned("ApplicationTrafficPolicy", "web", "new", true), &policy));
+        assert!(owned_by(&owned("ApplicationTrafficPolicy", "web", "deleted-before", true), &policy), "a restore");
+        assert!(!owned_by(&owned("ApplicationTrafficPolicy", "other", "new", true), &policy));
+        assert!(!owned_by(&owned("ApplicationTrafficPolicy", "web", "new", false), &policy), "not its controller");
+        assert!(!owned_by(&owned("Deployment", "web", "new", true), &policy));
+        assert!(!owned_by(&json!({ "metadata": {} }), &policy), "a user's object");
+    }
 }
