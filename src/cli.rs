@@ -82,9 +82,10 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_LOG_FORMAT", value_enum, default_value = "json")]
     pub log_format: LogFormat,
 
-    /// Log filter, e.g. `info` or `info,traffic_policy_operator=debug`.
-    #[arg(long, env = "TPO_LOG_LEVEL", default_value = "info")]
-    pub log_level: String,
+    /// Log filter, e.g. `info` or `info,traffic_policy_operator=debug` (tracing's EnvFilter
+    /// syntax). Without it, `RUST_LOG` applies, and without that, `info`.
+    #[arg(long, env = "TPO_LOG_LEVEL")]
+    pub log_level: Option<String>,
 
     /// How often every policy is reconciled even without changes (plus up to 10% jitter).
     #[arg(long, env = "TPO_RESYNC_PERIOD", default_value = "1h", value_parser = humantime::parse_duration)]

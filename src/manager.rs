@@ -49,7 +49,7 @@ const READINESS_GATES: [&str; 5] = ["members", "assignment", CONTROLLER_NAME, "N
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let shard = args.shard_config().map_err(anyhow::Error::msg)?;
-    logging::init(args.log_format, &args.log_level)?;
+    logging::init(args.log_format, args.log_level.as_deref())?;
     let prometheus = metrics::install()?;
     let tls = args
         .metrics_tls_cert_file

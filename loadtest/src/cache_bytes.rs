@@ -189,7 +189,7 @@ fn allocated() -> anyhow::Result<usize> {
 
 pub async fn install_crd(client: &kube::Client) -> anyhow::Result<()> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/applicationtrafficpolicies.trafficpolicy.dev.yaml");
-    let crd: CustomResourceDefinition = serde_yaml::from_str(&std::fs::read_to_string(path)?)?;
+    let crd: CustomResourceDefinition = serde_saphyr::from_str(&std::fs::read_to_string(path)?)?;
     let crds = Api::<CustomResourceDefinition>::all(client.clone());
     crds.create(&PostParams::default(), &crd).await?;
     for _ in 0..600 {

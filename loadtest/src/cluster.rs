@@ -41,7 +41,7 @@ pub struct Slo {
 impl Slo {
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        serde_yaml::from_str(&text).with_context(|| format!("{}: not a valid SLO file", path.display()))
+        serde_saphyr::from_str(&text).with_context(|| format!("{}: not a valid SLO file", path.display()))
     }
 
     /// One line per threshold: (met, what was required and what was measured).
@@ -257,12 +257,12 @@ mod tests {
     #[test]
     fn an_slo_names_what_it_missed() {
         let slo: Slo =
-            serde_yaml::from_str("convergence_p99_seconds: 2\nmax_errors: 0\nmax_queue_depth: 10\n").unwrap();
+            serde_saphyr::from_str("convergence_p99_seconds: 2\nmax_errors: 0\nmax_queue_depth: 10\n").unwrap();
         let result = json!({ "latency_ms": { "p99": 3500.0 }, "errors": 0, "max_queue_depth": 4.0 });
         let verdicts = slo.judge(&result);
         assert_eq!(verdicts.iter().map(|(met, _)| *met).collect::<Vec<_>>(), [false, true, true]);
         assert!(verdicts[0].1.contains("3.50 s"), "{}", verdicts[0].1);
-        assert!(serde_yaml::from_str::<Slo>("max_error: 1").is_err(), "a misspelt threshold is an error");
+        assert!(serde_saphyr::from_str::<Slo>("max_error: 1").is_err(), "a misspelt threshold is an error");
     }
 
     #[test]

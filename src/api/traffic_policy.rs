@@ -307,6 +307,9 @@ pub struct ApplicationTrafficPolicyStatus {
     /// The fencing epoch of the replica that last wrote this status. A write carrying a
     /// lower one is refused when the fencing policy is installed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    // The API server knows int32 and int64 only ("uint64" draws a warning on every apply);
+    // epochs stay far below 2^63.
+    #[schemars(extend("format" = "int64"))]
     pub shard_epoch: Option<u64>,
 }
 

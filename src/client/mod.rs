@@ -191,7 +191,13 @@ impl<S: Service<R>, R> Service<R> for Limited<S> {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         if !self.has_token {
             let bucket = self.bucket.clone();
-            let wait = self.waiting.get_or_insert_with(|| Box::pin(async move { bucket.until_ready().await }));
+            let wait = self.waiting.get_or_insert_with(|| {
+                Box::pin(async move {
+                    let started = std::time::Instant::now();
+                    bucket.until_ready().await;
+                    crate::telemetry::metrics::rate_limiter_waited(started.elapsed());
+                })
+            });
             ready!(wait.as_mut().poll(cx));
             self.waiting = None;
             self.has_token = true;

@@ -35,8 +35,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .set_buckets_for_metric(Matcher::Prefix("workqueue_".into()), &queue_buckets)?
         .set_buckets_for_metric(Matcher::Full("controller_runtime_reconcile_time_seconds".into()), &reconcile_buckets)?
         .set_buckets_for_metric(Matcher::Full("rest_client_request_duration_seconds".into()), &REQUEST_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full("rest_client_rate_limiter_duration_seconds".into()), &REQUEST_BUCKETS)?
         .install_recorder()?;
     describe();
+    set_build_info();
     Ok(handle)
 }
 
@@ -60,6 +62,11 @@ fn describe() {
     describe_gauge!("workqueue_depth", "Current depth of the work queue, by lane (priority).");
     describe_counter!("rest_client_requests_total", "API requests, by method and status code.");
     describe_histogram!("rest_client_request_duration_seconds", "API request latency until the response headers.");
+    describe_histogram!(
+        "rest_client_rate_limiter_duration_seconds",
+        "Time a request waited for the client-side rate limiter (none while the limit is off)."
+    );
+    describe_gauge!("traffic_policy_operator_build_info", "1, labelled with the operator's version.");
     describe_gauge!("traffic_policy_policies", "Policies of this replica's slice, by Ready status and reason.");
     describe_counter!("traffic_policy_watch_errors_total", "Failed watches and lists, by resource (retried).");
     describe_counter!(
@@ -154,6 +161,16 @@ pub fn set_members_idle(count: usize) {
 
 pub fn set_working(working: bool) {
     gauge!("traffic_policy_working").set(if working { 1.0 } else { 0.0 });
+}
+
+/// 1, with the operator's version: joins other series to the version that exported them.
+pub fn set_build_info() {
+    gauge!("traffic_policy_operator_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// How long a request waited for the client-side rate limiter (client-go's name).
+pub fn rate_limiter_waited(waited: Duration) {
+    histogram!("rest_client_rate_limiter_duration_seconds").record(waited.as_secs_f64());
 }
 
 /// The client-side rate limit in force, in requests per second; 0 when off.

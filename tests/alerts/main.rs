@@ -30,8 +30,8 @@ const NAMESPACES: usize = 20;
 /// the probe.
 fn test_rules() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus/alerts.yaml");
-    let mut rules: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let list = rules["groups"][0]["rules"].as_sequence_mut().unwrap();
+    let mut rules: serde_json::Value = serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let list = rules["groups"][0]["rules"].as_array_mut().unwrap();
     let rule = list.iter_mut().find(|r| r["alert"].as_str() == Some(ALERT)).expect("the queue-depth alert is shipped");
     let expr = rule["expr"].as_str().unwrap().to_string();
     assert!(expr.ends_with("> 500") && expr.contains("priority=\"high\""), "{expr}");
@@ -41,7 +41,7 @@ fn test_rules() -> String {
     probe["alert"] = PROBE.into();
     probe["expr"] = expr.replace("> 500", "> 100").replace("priority=\"high\"", "priority=\"low\"").into();
     list.push(probe);
-    serde_yaml::to_string(&rules).unwrap()
+    serde_saphyr::to_string(&rules).unwrap()
 }
 
 fn policy_name(i: usize) -> (String, String) {

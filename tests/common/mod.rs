@@ -280,7 +280,7 @@ pub fn operator_cluster_role() -> ClusterRole {
 /// The one document of a YAML file in the repo (a leading `---` and comments allowed).
 pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &str) -> T {
     let text = std::fs::read_to_string(Path::new(REPO).join(path)).unwrap();
-    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+    serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
 /// Lease duration, renew deadline and retry period for the replicas the tests start.

@@ -16,7 +16,6 @@ use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
-use serde::Deserialize;
 
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -32,6 +31,11 @@ fn kubectl(cp: &ControlPlane, args: &[&str]) -> (bool, String, String) {
         .output()
         .expect("kubectl runs");
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+/// The documents of a multi-document YAML stream, such as `kubectl kustomize` prints.
+fn documents(yaml: &str) -> Vec<serde_json::Value> {
+    serde_saphyr::from_multiple::<Option<serde_json::Value>>(yaml).unwrap().into_iter().flatten().collect()
 }
 
 /// The monitoring.coreos.com CRDs, kept in the repository (see their README for origin).
@@ -137,9 +141,9 @@ fn alert_rules_pass_promtool_unit_tests() {
 
 #[test]
 fn the_prometheus_rule_carries_the_same_alerts_as_the_plain_rules_file() {
-    let plain: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(repo("deploy/prometheus/alerts.yaml")).unwrap()).unwrap();
-    let rule: serde_yaml::Value = serde_yaml::from_str(
+    let plain: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(repo("deploy/prometheus/alerts.yaml")).unwrap()).unwrap();
+    let rule: serde_json::Value = serde_saphyr::from_str(
         &std::fs::read_to_string(repo("deploy/components/monitoring/prometheusrule.yaml")).unwrap(),
     )
     .unwrap();
@@ -278,22 +282,22 @@ async fn the_flowschema_puts_coordination_requests_in_the_leader_election_level(
 }
 
 /// Every `namespace` and `namespaces` value anywhere in `value`, with where it was found.
-fn namespaces_in(value: &serde_yaml::Value, at: &str, found: &mut Vec<(String, String)>) {
+fn namespaces_in(value: &serde_json::Value, at: &str, found: &mut Vec<(String, String)>) {
     match value {
-        serde_yaml::Value::Mapping(map) => {
+        serde_json::Value::Object(map) => {
             for (key, child) in map {
-                let key = key.as_str().unwrap_or_default();
+                let key = key.as_str();
                 let here = format!("{at}.{key}");
                 match (key, child) {
-                    ("namespace", serde_yaml::Value::String(ns)) => found.push((here, ns.clone())),
-                    ("namespaces", serde_yaml::Value::Sequence(list)) => {
+                    ("namespace", serde_json::Value::String(ns)) => found.push((here, ns.clone())),
+                    ("namespaces", serde_json::Value::Array(list)) => {
                         found.extend(list.iter().map(|ns| (here.clone(), ns.as_str().unwrap_or_default().to_string())))
                     }
                     _ => namespaces_in(child, &here, found),
                 }
             }
         }
-        serde_yaml::Value::Sequence(list) => list.iter().for_each(|v| namespaces_in(v, at, found)),
+        serde_json::Value::Array(list) => list.iter().for_each(|v| namespaces_in(v, at, found)),
         _ => {}
     }
 }
@@ -303,7 +307,7 @@ fn namespaces_in(value: &serde_yaml::Value, at: &str, found: &mut Vec<(String, S
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_namespace_overlay_moves_every_reference_to_the_namespace() {
     let env = TestEnv::new("deploy-overlay").await;
-    let overlay: serde_yaml::Value = serde_yaml::from_str(
+    let overlay: serde_json::Value = serde_saphyr::from_str(
         &std::fs::read_to_string(repo("deploy/overlays/other-namespace/kustomization.yaml")).unwrap(),
     )
     .unwrap();
@@ -312,8 +316,7 @@ async fn the_namespace_overlay_moves_every_reference_to_the_namespace() {
     assert!(ok, "{err}");
     let mut found = Vec::new();
     let mut kinds = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&rendered) {
-        let doc = serde_yaml::Value::deserialize(doc).unwrap();
+    for doc in documents(&rendered) {
         let kind = doc["kind"].as_str().unwrap().to_string();
         namespaces_in(&doc, &kind, &mut found);
         kinds.push(kind);
@@ -438,12 +441,12 @@ fn every_alert_has_a_runbook_whose_url_the_overlay_sets_in_one_place() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     let rendered = String::from_utf8(out.stdout).unwrap();
-    let rule = serde_yaml::Deserializer::from_str(&rendered)
-        .map(|doc| serde_yaml::Value::deserialize(doc).unwrap())
+    let rule = documents(&rendered)
+        .into_iter()
         .find(|doc| doc["kind"] == "PrometheusRule")
         .expect("the overlay renders the PrometheusRule");
     let operations = std::fs::read_to_string(repo("docs/operations.md")).unwrap();
-    let rules = rule["spec"]["groups"][0]["rules"].as_sequence().unwrap();
+    let rules = rule["spec"]["groups"][0]["rules"].as_array().unwrap();
     assert!(rules.len() >= 14);
     for rule in rules {
         let alert = rule["alert"].as_str().unwrap();

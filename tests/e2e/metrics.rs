@@ -28,6 +28,10 @@ async fn ordinary_work_shows_in_metrics() {
     assert!(m("rest_client_requests_total", Some("method=\"PATCH\",code=\"200\"")) >= 2.0, "child applies counted");
     assert!(m("rest_client_requests_total", Some("code=\"422\"")) >= 1.0, "the refused apply counted by its code");
     assert!(m("rest_client_request_duration_seconds_count", Some("verb=\"GET\"")) >= 1.0);
+    let version = format!("version=\"{}\"", env!("CARGO_PKG_VERSION"));
+    assert_eq!(m("traffic_policy_operator_build_info", Some(&version)), 1.0, "build_info carries the version");
+    // The shared control plane applies Priority and Fairness: no client-side limit, no waits.
+    assert_eq!(m("rest_client_rate_limiter_duration_seconds_count", None), 0.0);
     assert!(m("process_resident_memory_bytes", None) > 1e6);
     assert!(m("process_open_fds", None) >= 3.0);
     assert!(m("process_start_time_seconds", None) > 1.6e9);

@@ -47,6 +47,12 @@ async fn the_rate_limit_slows_the_work_but_not_the_lease_renewals() {
     assert!(!lapsed, "the replica lost its right to write, or its readiness, while throttled");
     assert!(took.as_secs_f64() >= 4.25, "18 requests at 4 a second took only {took:?}: no rate limit");
     let requests = operator.metric("rest_client_requests_total", None);
+    // Every throttled request's wait is observed; the start-up lists and watches alone
+    // queue several requests behind a burst of one.
+    let waits = operator.metric("rest_client_rate_limiter_duration_seconds_count", None);
+    let waited = operator.metric("rest_client_rate_limiter_duration_seconds_sum", None);
+    assert!(waits >= 18.0, "only {waits} rate-limiter waits observed for at least 18 requests");
+    assert!(waited > 0.5, "requests at 4 a second, burst 1, waited only {waited} s in all");
     println!(
         "six policies at --kube-api-qps=4: Ready after {:.1} s, {requests} API requests in all (Leases included), \
          the Lease held throughout",

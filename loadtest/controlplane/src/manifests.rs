@@ -8,14 +8,13 @@ use anyhow::{Context, Result};
 use kube::api::{Api, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
 use kube::{Client, ResourceExt};
-use serde::Deserialize;
 
 /// The objects of a multi-document YAML file.
 pub fn read(path: &Path) -> Result<Vec<DynamicObject>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    serde_yaml::Deserializer::from_str(&text)
-        .map(|document| DynamicObject::deserialize(document).with_context(|| format!("parsing {}", path.display())))
-        .collect()
+    let documents: Vec<Option<DynamicObject>> =
+        serde_saphyr::from_multiple(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok(documents.into_iter().flatten().collect())
 }
 
 /// Sets the CEL expression of variable `name` in every ValidatingAdmissionPolicy of `objects`
