@@ -30,8 +30,9 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-echo "[demo] building the operator and the control-plane runner..."
-cargo build -q --workspace --bins
+echo "[demo] building the operator and the control-plane runner (a fresh clone: about 15 minutes on 2 cores)..."
+# Cargo's own progress: the crate being compiled, and a bar on a terminal.
+cargo build --workspace --bins
 bin="${CARGO_TARGET_DIR:-target}/debug"
 
 gateway_args=()

@@ -12,32 +12,15 @@ KUBE_VERSION=v1.36.3
 ETCD_VERSION=v3.6.16
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-cache_root=${TPO_CONTROLPLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/traffic-policy-operator}
+BUILD_NAME=controlplane-build
+# shellcheck source=../build-lib.sh
+source "$here/../build-lib.sh"
 bin_dir="$cache_root/controlplane/kubernetes-${KUBE_VERSION}_etcd-${ETCD_VERSION}"
-
-log() { echo "[controlplane-build] $*" >&2; }
-fail() { echo "controlplane-build: error: $*" >&2; exit 1; }
 
 complete() {
   [[ -x "$bin_dir/etcd" && -x "$bin_dir/kube-apiserver" && -x "$bin_dir/kube-controller-manager" ]]
 }
-
-if complete; then
-  echo "$bin_dir"
-  exit 0
-fi
-
-command -v go >/dev/null 2>&1 || fail "the Go toolchain ('go') is not on PATH; it is needed once to build the control plane into $bin_dir"
-command -v flock >/dev/null 2>&1 || fail "'flock' (util-linux) is not on PATH"
-
-mkdir -p "$bin_dir"
-# Several test processes may start at once on a cold machine: build only once.
-exec 9>"$bin_dir/.build.lock"
-flock 9
-if complete; then
-  echo "$bin_dir"
-  exit 0
-fi
+exit_if_built_else_lock "$bin_dir" "$bin_dir"
 
 minor=${KUBE_VERSION#v1.}; minor=${minor%%.*}
 build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)

@@ -14,28 +14,13 @@ TRAEFIK_VERSION=v3.6.12
 GATEWAY_API_VERSION=v1.4.0 # what traefik v3.6.12's go.mod requires
 ENVOY_GATEWAY_VERSION=v1.9.1
 
-cache_root=${TPO_CONTROLPLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/traffic-policy-operator}
+BUILD_NAME=gateway-build
+# shellcheck source=../build-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../build-lib.sh"
 dir="$cache_root/gateway/traefik-${TRAEFIK_VERSION}_gateway-api-${GATEWAY_API_VERSION}_envoy-gateway-${ENVOY_GATEWAY_VERSION}"
-
-log() { echo "[gateway-build] $*" >&2; }
-fail() { echo "gateway-build: error: $*" >&2; exit 1; }
-
 complete() { [[ -x "$dir/traefik" && -f "$dir/crds/.complete" ]]; }
-
-if complete; then
-  echo "$dir"
-  exit 0
-fi
-command -v go >/dev/null 2>&1 || fail "the Go toolchain ('go') is not on PATH; it is needed once to build Traefik into $dir"
-command -v flock >/dev/null 2>&1 || fail "'flock' (util-linux) is not on PATH"
-
+exit_if_built_else_lock "$dir" "$dir"
 mkdir -p "$dir/crds"
-exec 9>"$dir/.build.lock"
-flock 9
-if complete; then
-  echo "$dir"
-  exit 0
-fi
 
 export CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
 

@@ -4,6 +4,9 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod chart;
+mod reinstall;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -154,13 +157,18 @@ fn the_prometheus_rule_carries_the_same_alerts_as_the_plain_rules_file() {
 }
 
 #[test]
-fn the_deployed_crd_is_the_generated_one() {
+fn the_deployed_crds_are_the_generated_one() {
     let generated = std::fs::read_to_string(repo("crds/applicationtrafficpolicies.trafficpolicy.dev.yaml")).unwrap();
-    let deployed = std::fs::read_to_string(repo("deploy/base/crd.yaml")).unwrap();
-    assert!(
-        deployed == generated,
-        "deploy/base/crd.yaml is stale: cp crds/applicationtrafficpolicies.trafficpolicy.dev.yaml deploy/base/crd.yaml"
-    );
+    for copy in [
+        "deploy/crd/applicationtrafficpolicies.trafficpolicy.dev.yaml",
+        "deploy/helm/traffic-policy-operator/crds/applicationtrafficpolicies.trafficpolicy.dev.yaml",
+    ] {
+        let deployed = std::fs::read_to_string(repo(copy)).unwrap();
+        assert!(
+            deployed == generated,
+            "{copy} is stale: cp crds/applicationtrafficpolicies.trafficpolicy.dev.yaml {copy}"
+        );
+    }
 }
 
 /// The image cannot be built here (no Docker engine); every path it copies and the binary

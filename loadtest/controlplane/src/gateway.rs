@@ -27,20 +27,9 @@ pub const TRAEFIK_CONTROLLER: &str = "traefik.io/gateway-controller";
 /// the cache dir (`traefik` and `crds/`).
 pub fn ensure_gateway() -> Result<PathBuf> {
     static DIR: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../gateway/build.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .map_err(|e| format!("gateway: cannot run {}: {e}", script.display()))?;
-        if !out.status.success() {
-            return Err("gateway: building Traefik failed (see the error above)".to_string());
-        }
-        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-    })
-    .clone()
-    .map_err(|e| anyhow!(e))
+    DIR.get_or_init(|| crate::tools::run_build_script("../gateway/build.sh", &[], "gateway"))
+        .clone()
+        .map_err(|e| anyhow!(e))
 }
 
 /// The CRD files the gateway tests install: the Gateway API standard channel, Traefik's

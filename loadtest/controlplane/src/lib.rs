@@ -21,6 +21,7 @@ pub mod manifests;
 mod ports;
 pub mod process;
 pub mod proxy;
+pub mod tools;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -87,7 +88,8 @@ pub struct Config {
     pub apiserver_args: Vec<String>,
     /// Feature gates for kube-apiserver, e.g. `SomeGate=true`.
     pub feature_gates: Vec<String>,
-    /// Start kube-controller-manager (garbage collector and namespace controllers).
+    /// Start kube-controller-manager (garbage collector, namespace and ClusterRole aggregation
+    /// controllers).
     pub controller_manager: bool,
     /// A fixed apiserver port; a free one when `None`.
     pub apiserver_port: Option<u16>,
@@ -348,7 +350,8 @@ impl ControlPlane {
             format!("--kubeconfig={kubeconfig}"),
             format!("--authentication-kubeconfig={kubeconfig}"),
             format!("--authorization-kubeconfig={kubeconfig}"),
-            "--controllers=garbage-collector-controller,namespace-controller".to_string(),
+            "--controllers=garbage-collector-controller,namespace-controller,clusterrole-aggregation-controller"
+                .to_string(),
             "--leader-elect=false".to_string(),
             "--bind-address=127.0.0.1".to_string(),
             format!("--secure-port={}", self.ports.controller_manager),
@@ -434,21 +437,7 @@ pub fn ensure_binaries() -> Result<PathBuf> {
         return Ok(PathBuf::from(dir));
     }
     static BIN_DIR: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    BIN_DIR
-        .get_or_init(|| {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("build.sh");
-            let out = std::process::Command::new("bash")
-                .arg(&script)
-                .stderr(std::process::Stdio::inherit())
-                .output()
-                .map_err(|e| format!("controlplane: cannot run {}: {e}", script.display()))?;
-            if !out.status.success() {
-                return Err("controlplane: building the control plane failed (see the error above)".to_string());
-            }
-            Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-        })
-        .clone()
-        .map_err(|e| anyhow!(e))
+    BIN_DIR.get_or_init(|| tools::run_build_script("build.sh", &[], "controlplane")).clone().map_err(|e| anyhow!(e))
 }
 
 /// Polls `ready` every 100 ms until it holds, the process exits, or the deadline passes.

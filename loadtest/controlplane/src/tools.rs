@@ -1,0 +1,29 @@
+//! The build scripts that put Go binaries into the cache outside the repo, run once per
+//! process: the control plane's, the gateway's, and the command-line tools the tests use.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Result, anyhow};
+
+/// Runs `script` (relative to this crate) with `args`, its progress shown on stderr, and
+/// returns the path it prints on stdout.
+pub(crate) fn run_build_script(script: &str, args: &[&str], what: &str) -> std::result::Result<PathBuf, String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let out = Command::new("bash")
+        .arg(&script)
+        .args(args)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{what}: cannot run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!("{what}: the build failed (see the error above)"));
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// helm, built from its Go module on first use (`loadtest/tools/build.sh helm`).
+pub fn helm() -> Result<PathBuf> {
+    static HELM: std::sync::OnceLock<std::result::Result<PathBuf, String>> = std::sync::OnceLock::new();
+    HELM.get_or_init(|| run_build_script("../tools/build.sh", &["helm"], "helm")).clone().map_err(|e| anyhow!(e))
+}

@@ -1,0 +1,167 @@
+//! Removing the operator never removes what users declared: on a control plane of its own,
+//! the install is deleted and installed again, in the same namespace, then in another with
+//! Helm, and the policies and their children outlive each removal and are reconciled again.
+
+use std::time::Duration;
+
+use controlplane::{Config, ControlPlane};
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+
+use crate::chart::helm;
+use crate::common::{Operator, eventually_within};
+use crate::kubectl;
+
+const TENANT: &str = "shop";
+const POLICY: &str = "web-frontend";
+const FENCE_ANNOTATION: &str = "trafficpolicy.dev/shard-epoch";
+
+/// The uids of the policy and of its NetworkPolicy and ConfigMap.
+async fn declared(client: &Client) -> [String; 3] {
+    let policy = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), TENANT).get(POLICY).await.unwrap();
+    let np = Api::<NetworkPolicy>::namespaced(client.clone(), TENANT).get(POLICY).await.unwrap();
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), TENANT).get(POLICY).await.unwrap();
+    for child in [np.owner_references(), cm.owner_references()] {
+        assert!(child.iter().any(|o| Some(&o.uid) == policy.uid().as_ref()), "a child is not owned by the policy");
+    }
+    [policy.uid().unwrap(), np.uid().unwrap(), cm.uid().unwrap()]
+}
+
+/// Runs the installed operator (namespace `namespace`) as its own service account, sets the
+/// policy's rate to `rate`, waits until the ConfigMap carries it and the status is Ready for
+/// the new generation, and returns the fencing token the child was written with.
+async fn reconciled_by_install(cp: &ControlPlane, namespace: &str, rate: u32) -> u64 {
+    let identity = cp.identity(namespace, "traffic-policy-operator", &[]).await.unwrap();
+    let args = [format!("--namespace={namespace}")];
+    let mut operator = Operator::launch(cp, &identity, &format!("reinstalled-{namespace}"), &args).await;
+    let client = cp.client().await.unwrap();
+    let policies = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), TENANT);
+    let patch = serde_json::json!({"spec": {"rateLimit": {"requestsPerSecond": rate}}});
+    policies.patch(POLICY, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), TENANT);
+    let token = eventually_within(Duration::from_secs(90), &format!("the install in {namespace} reconciles"), || {
+        let (policies, configmaps) = (policies.clone(), configmaps.clone());
+        async move {
+            let policy = policies.get(POLICY).await.ok()?;
+            let status = policy.status.as_ref()?;
+            let ready = status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == ConditionStatus::True);
+            let current = status.observed_generation == policy.metadata.generation;
+            let cm = configmaps.get(POLICY).await.ok()?;
+            let carried = cm.data?.values().any(|v| v.contains(&format!("\"requestsPerSecond\": {rate}")));
+            let token = cm.metadata.annotations?.get(FENCE_ANNOTATION)?.parse::<u64>().ok()?;
+            (ready && current && carried).then_some(token)
+        }
+    })
+    .await;
+    assert_eq!(operator.stop().map(|s| s.success()), Some(true), "the replica did not exit cleanly");
+    token
+}
+
+/// Deletes an install as its user would, and checks that the CRD, the policy and its
+/// children are still there, the very same objects.
+async fn kept_after(cp: &ControlPlane, before: &[String; 3], uninstall: impl FnOnce() -> (bool, String, String)) {
+    let (ok, out, err) = uninstall();
+    assert!(ok, "uninstall failed: {out}{err}");
+    let client = cp.client().await.unwrap();
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    assert!(crds.get_opt("applicationtrafficpolicies.trafficpolicy.dev").await.unwrap().is_some(), "CRD deleted");
+    assert_eq!(&declared(&client).await, before, "the policy or a child was deleted or replaced");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uninstall_keeps_the_policies_and_a_reinstall_reconciles_them() {
+    let cp = tokio::task::spawn_blocking(|| ControlPlane::start(Config::default())).await.unwrap().unwrap();
+    let client = cp.client().await.unwrap();
+    let (ok, _, err) = kubectl(&cp, &["apply", "-k", "deploy/crd/"]);
+    assert!(ok, "{err}");
+    assert!(!err.contains("unrecognized format"), "the API server warned about the CRD: {err}");
+    let (ok, _, err) = kubectl(&cp, &["wait", "--for=condition=established", "--timeout=60s", "-f", "crds/"]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = kubectl(&cp, &["apply", "-k", "deploy/"]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = kubectl(&cp, &["apply", "-f", "deploy/samples/web-frontend.yaml"]);
+    assert!(ok, "{err}");
+
+    let first = reconciled_by_install(&cp, "traffic-policy-operator", 101).await;
+    let objects = declared(&client).await;
+    kept_after(&cp, &objects, || kubectl(&cp, &["delete", "-k", "deploy/", "--wait=true"])).await;
+
+    // The same install again: its replicas' tokens start above the floor the first left.
+    let (ok, _, err) = kubectl(&cp, &["apply", "-k", "deploy/"]);
+    assert!(ok, "{err}");
+    let second = reconciled_by_install(&cp, "traffic-policy-operator", 102).await;
+    assert!(second > first, "the reinstall wrote with token {second}, below the earlier {first}");
+    kept_after(&cp, &objects, || kubectl(&cp, &["delete", "-k", "deploy/", "--wait=true"])).await;
+
+    // With Helm, in another namespace; the fencing policy now names that identity.
+    let kubeconfig = cp.kubeconfig_path();
+    let chart = "deploy/helm/traffic-policy-operator";
+    let install = ["install", "tpo", chart, "--namespace", "platform-traffic", "--create-namespace"];
+    let (ok, out, err) = helm(Some(&kubeconfig), &install);
+    assert!(ok, "helm install: {out}{err}");
+    let third = reconciled_by_install(&cp, "platform-traffic", 103).await;
+    assert!(third > second, "the Helm install wrote with token {third}, below the earlier {second}");
+    kept_after(&cp, &objects, || {
+        helm(Some(&kubeconfig), &["uninstall", "tpo", "--namespace", "platform-traffic", "--wait"])
+    })
+    .await;
+    println!("policy and children kept across three uninstalls; tokens {first} -> {second} -> {third}");
+}
+
+/// Tenants bound to the built-in `edit` role may write policies, those bound to `view` may
+/// read them, and neither may write the status that the operator reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_built_in_view_and_edit_roles_cover_policies() {
+    use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
+    let env = crate::common::TestEnv::new("deploy-tenant-roles").await;
+    let (ok, _, err) = kubectl(env.cp, &["apply", "-f", "deploy/base/aggregated-clusterroles.yaml"]);
+    assert!(ok, "{err}");
+    for (user, role) in [("alice", "edit"), ("bob", "view")] {
+        let (ok, _, err) = kubectl(
+            env.cp,
+            &[
+                "create",
+                "rolebinding",
+                user,
+                "-n",
+                &env.namespace,
+                &format!("--clusterrole={role}"),
+                &format!("--user={user}"),
+            ],
+        );
+        assert!(ok, "{err}");
+    }
+    let reviews = Api::<SubjectAccessReview>::all(env.client.clone());
+    let allowed = |user: &str, verb: &str, subresource: Option<&str>| {
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(user.into()),
+                resource_attributes: Some(ResourceAttributes {
+                    group: Some("trafficpolicy.dev".into()),
+                    resource: Some("applicationtrafficpolicies".into()),
+                    subresource: subresource.map(Into::into),
+                    namespace: Some(env.namespace.clone()),
+                    verb: Some(verb.into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let reviews = reviews.clone();
+        async move { reviews.create(&Default::default(), &review).await.unwrap().status.unwrap().allowed }
+    };
+    // The aggregation controller folds the roles into view and edit shortly after they exist.
+    eventually_within(Duration::from_secs(60), "edit and view include the policies", || async {
+        (allowed("alice", "create", None).await && allowed("bob", "list", None).await).then_some(())
+    })
+    .await;
+    assert!(allowed("alice", "delete", None).await, "edit may delete policies");
+    assert!(!allowed("alice", "patch", Some("status")).await, "edit may not write the operator's status");
+    assert!(allowed("bob", "get", Some("status")).await, "view may read the status");
+    assert!(!allowed("bob", "create", None).await, "view may not create policies");
+}
