@@ -163,6 +163,7 @@ async fn the_chart_passes_a_server_side_dry_run() {
     for object in [
         "statefulset.apps/traffic-policy-operator",
         "validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-fencing",
+        "validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-operator-reach",
         "mutatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-bucket-label",
         "clusterrole.rbac.authorization.k8s.io/traffic-policy-operator-view",
     ] {

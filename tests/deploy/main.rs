@@ -61,6 +61,10 @@ async fn the_kustomization_passes_a_server_side_dry_run_without_pod_security_war
     assert!(ok, "dry-run of deploy/ failed without the monitoring CRDs: {err}");
     assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
     assert!(out.contains("validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-fencing"), "{out}");
+    assert!(
+        out.contains("validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-operator-reach"),
+        "{out}"
+    );
     assert!(!out.contains("monitoring.coreos.com"), "deploy/ installs monitoring objects: {out}");
     assert!(!out.contains("bucket-label"), "deploy/ installs the bucket-label component, which needs 1.36: {out}");
 
@@ -335,6 +339,11 @@ async fn the_namespace_overlay_moves_every_reference_to_the_namespace() {
         assert!(found.iter().any(|(at, _)| at == place), "{place} not rendered: {found:?}");
     }
     assert!(kinds.iter().any(|k| k == "Namespace"));
+    // The admission policies name the operator by its user name, namespace included.
+    let identities: Vec<&str> =
+        rendered.split("system:serviceaccount:").skip(1).map(|rest| rest.split(':').next().unwrap()).collect();
+    assert!(identities.len() >= 2, "the fencing and operator-reach policies name no identity: {identities:?}");
+    assert!(identities.iter().all(|ns| *ns == target), "an admission policy names another namespace: {identities:?}");
 
     let (ok, _, err) = kubectl(env.cp, &["create", "namespace", &target]);
     assert!(ok || err.contains("AlreadyExists"), "{err}");

@@ -8,6 +8,7 @@ mod lifecycle;
 mod metrics;
 mod mode;
 mod priority;
+mod reach;
 mod restart;
 #[path = "../common/mod.rs"]
 mod support;
