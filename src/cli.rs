@@ -74,6 +74,12 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_METRICS_TLS_KEY_FILE", requires = "metrics_tls_cert_file")]
     pub metrics_tls_key_file: Option<PathBuf>,
 
+    /// Who may read /metrics: `none` (anyone who can reach the port) or `kubernetes` (a bearer
+    /// token that a TokenReview authenticates and whose user a SubjectAccessReview allows
+    /// `get` on the non-resource URL /metrics, as controller-runtime's metrics filter does).
+    #[arg(long, env = "TPO_METRICS_AUTH", value_enum, default_value = "none")]
+    pub metrics_auth: MetricsAuthMode,
+
     /// Address of the health-probe server (/livez, /readyz).
     #[arg(long, env = "TPO_HEALTH_PROBE_ADDR", default_value = "0.0.0.0:8081")]
     pub health_probe_addr: SocketAddr,
@@ -270,4 +276,11 @@ mod tests {
         let err = args(&["--pod-name=p", "--namespace=ops", "--renew-deadline=20s"]).shard_config().unwrap_err();
         assert!(err.contains("--lease-duration"), "{err}");
     }
+}
+
+/// `--metrics-auth`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MetricsAuthMode {
+    None,
+    Kubernetes,
 }

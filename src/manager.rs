@@ -193,11 +193,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     tracing::info!(incarnation = %shard.incarnation, namespace = %shard.namespace, workers = args.workers, "starting");
 
+    let metrics_auth = (args.metrics_auth == crate::cli::MetricsAuthMode::Kubernetes)
+        .then(|| crate::telemetry::metrics_auth::MetricsAuth::new(client.clone()));
     let admin_shutdown = CancellationToken::new();
     critical.spawn({
         let (health, stop) = (health.clone(), admin_shutdown.clone());
         async move {
-            if let Err(error) = admin::serve(admin_listeners, health, prometheus, stop).await {
+            if let Err(error) = admin::serve(admin_listeners, health, prometheus, metrics_auth, stop).await {
                 tracing::error!(%error, "admin server failed");
             }
             "the admin server"

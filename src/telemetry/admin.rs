@@ -10,7 +10,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,8 +20,13 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum_server::tls_rustls::RustlsConfig;
+
+use super::metrics_auth::MetricsAuth;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
+
+/// How often the metrics certificate's files are checked for a change.
+const RELOAD_CHECK: Duration = Duration::from_secs(10);
 
 /// Readiness and liveness inputs, shared with every component.
 #[derive(Default)]
@@ -84,7 +89,7 @@ impl Health {
 pub struct Listeners {
     probes: tokio::net::TcpListener,
     metrics: tokio::net::TcpListener,
-    metrics_tls: Option<RustlsConfig>,
+    metrics_tls: Option<(RustlsConfig, PathBuf, PathBuf)>,
 }
 
 /// A certificate and key (PEM files) to serve `/metrics` over HTTPS with.
@@ -106,7 +111,7 @@ impl Listeners {
                         files.key.display()
                     )
                 })?;
-                Some(config)
+                Some((config, files.cert.to_path_buf(), files.key.to_path_buf()))
             }
             None => None,
         };
@@ -121,21 +126,27 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<tokio::net::TcpLis
 }
 
 /// Serves probes and metrics until `shutdown` is cancelled; an error if either server fails.
+/// With `auth`, `/metrics` answers only scrapers whose token may read it.
 pub async fn serve(
     listeners: Listeners,
     health: Arc<Health>,
     metrics: PrometheusHandle,
+    auth: Option<MetricsAuth>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let probes = Router::new().route("/livez", get(livez)).route("/readyz", get(readyz)).with_state(health);
-    let metrics = Router::new().route("/metrics", get(|| async move { super::metrics::render(&metrics) }));
+    let mut metrics = Router::new().route("/metrics", get(|| async move { super::metrics::render(&metrics) }));
+    if let Some(auth) = auth {
+        metrics = metrics.route_layer(axum::middleware::from_fn_with_state(auth, super::metrics_auth::require));
+    }
     tracing::info!(addr = %listeners.probes.local_addr()?, "health-probe server listening");
     let probes = axum::serve(listeners.probes, probes).with_graceful_shutdown(shutdown.clone().cancelled_owned());
     let metrics_addr = listeners.metrics.local_addr()?;
     let metrics = async move {
         match listeners.metrics_tls {
-            Some(tls) => {
+            Some((tls, cert, key)) => {
                 tracing::info!(addr = %metrics_addr, "metrics server listening (HTTPS)");
+                tokio::spawn(reload_on_change(tls.clone(), cert, key, shutdown.clone()));
                 let handle = axum_server::Handle::new();
                 tokio::spawn({
                     let handle = handle.clone();
@@ -159,6 +170,34 @@ pub async fn serve(
         metrics.await.map_err(anyhow::Error::from)
     })?;
     Ok(())
+}
+
+/// Reloads the certificate when either file changes on disk, as a renewed Secret or a
+/// cert-manager rotation changes it. Polled every 10 s: two `stat` calls do not warrant a
+/// file-watching crate, and a mounted Secret changes by symlink swaps that notify-style
+/// watches of the file itself miss.
+async fn reload_on_change(tls: RustlsConfig, cert: PathBuf, key: PathBuf, shutdown: CancellationToken) {
+    let stamp = |path: &Path| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let mut loaded = (stamp(&cert), stamp(&key));
+    let mut tick = tokio::time::interval(RELOAD_CHECK);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let now = (stamp(&cert), stamp(&key));
+        if now == loaded {
+            continue;
+        }
+        match tls.reload_from_pem_file(&cert, &key).await {
+            Ok(()) => {
+                tracing::info!(cert = %cert.display(), "metrics TLS: certificate reloaded");
+                loaded = now;
+            }
+            // A half-written pair: keep serving the old one and try again at the next tick.
+            Err(error) => tracing::warn!(%error, cert = %cert.display(), "metrics TLS: cannot reload yet"),
+        }
+    }
 }
 
 async fn readyz(State(health): State<Arc<Health>>) -> (StatusCode, String) {

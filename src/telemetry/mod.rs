@@ -4,3 +4,4 @@ pub mod admin;
 pub mod audit;
 pub mod logging;
 pub mod metrics;
+pub mod metrics_auth;

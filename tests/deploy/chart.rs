@@ -141,6 +141,21 @@ fn the_chart_renders_what_kustomize_renders_for_the_same_settings() {
         }
         assert!(kustomized.len() >= 16, "{kustomization}: only {} objects", kustomized.len());
     }
+    // The metrics-auth component has no overlay: one is written for the comparison.
+    let overlay = std::path::Path::new(REPO).join("target/tmp/metrics-auth-install");
+    std::fs::create_dir_all(&overlay).unwrap();
+    let kustomization = "namespace: traffic-policy-operator\nresources: [../../../deploy/base]\ncomponents:\n  \
+        - ../../../deploy/components/fencing\n  - ../../../deploy/components/operator-reach\n  \
+        - ../../../deploy/components/metrics-auth\n";
+    std::fs::write(overlay.join("kustomization.yaml"), kustomization).unwrap();
+    let (kustomized, rendered) = render(
+        &["deploy/crd/", "target/tmp/metrics-auth-install/"],
+        "traffic-policy-operator",
+        &["metricsAuth.enabled=true"],
+    );
+    assert_eq!(objects(&kustomized), objects(&rendered), "the metrics-auth component and metricsAuth.enabled differ");
+    assert!(rendered.contains("- --metrics-auth=kubernetes"), "{rendered}");
+
     // Settings without a kustomize counterpart reach the StatefulSet.
     let (_, rendered) = render(&["deploy/"], "ops", &["replicas=5", "image.tag=9.9.9", "priorityClassName=critical"]);
     let statefulset = objects(&rendered).remove("StatefulSet ops/traffic-policy-operator").unwrap();
@@ -153,8 +168,10 @@ fn the_chart_renders_what_kustomize_renders_for_the_same_settings() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chart_passes_a_server_side_dry_run() {
     let env = TestEnv::new("deploy-helm-dry-run").await;
-    let (ok, rendered, err) =
-        helm(None, &["template", "tpo", CHART, "--namespace", &env.namespace, "--set", "bucketLabels.enabled=true"]);
+    let every_option = ["--set", "bucketLabels.enabled=true", "--set", "metricsAuth.enabled=true"];
+    let mut args = vec!["template", "tpo", CHART, "--namespace", &env.namespace];
+    args.extend(every_option);
+    let (ok, rendered, err) = helm(None, &args);
     assert!(ok, "{err}");
     let path = env.cp.dir().join("chart.yaml");
     std::fs::write(&path, &rendered).unwrap();
@@ -166,6 +183,7 @@ async fn the_chart_passes_a_server_side_dry_run() {
         "validatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-operator-reach",
         "mutatingadmissionpolicy.admissionregistration.k8s.io/trafficpolicy.dev-bucket-label",
         "clusterrole.rbac.authorization.k8s.io/traffic-policy-operator-view",
+        "clusterrole.rbac.authorization.k8s.io/traffic-policy-operator-metrics-reader",
     ] {
         assert!(out.contains(object), "the chart does not install {object}: {out}");
     }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{TestEnv, eventually};
+use common::{TestEnv, eventually, eventually_within};
 use controlplane::ControlPlane;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Secret;
@@ -413,28 +413,53 @@ async fn the_container_command_line_starts_a_ready_replica() {
 }
 
 /// With a certificate and key, /metrics is served over HTTPS only, as a scraper that checks
-/// the certificate sees it.
+/// the certificate sees it; a new certificate written over the files is served without a
+/// restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_can_be_served_over_https() {
+async fn metrics_can_be_served_over_https_with_the_certificate_reloaded() {
     let env = TestEnv::new("deploy-metrics-tls").await;
-    // The test control plane's serving certificate is for 127.0.0.1, signed by its CA.
-    let dir = env.cp.dir();
-    let cert = format!("--metrics-tls-cert-file={}", dir.join("apiserver.crt").display());
-    let key = format!("--metrics-tls-key-file={}", dir.join("apiserver.key").display());
+    // First the test control plane's serving certificate for 127.0.0.1, signed by its CA.
+    let dir = env.cp.dir().join("metrics-tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert_path, key_path) = (dir.join("tls.crt"), dir.join("tls.key"));
+    std::fs::copy(env.cp.dir().join("apiserver.crt"), &cert_path).unwrap();
+    std::fs::copy(env.cp.dir().join("apiserver.key"), &key_path).unwrap();
+    let cert = format!("--metrics-tls-cert-file={}", cert_path.display());
+    let key = format!("--metrics-tls-key-file={}", key_path.display());
     let operator = env.start_operator(&[&cert, &key]).await;
     let url = format!("https://127.0.0.1:{}/metrics", operator.metrics_port);
-    let out = Command::new("curl")
-        .args(["--silent", "--show-error", "--fail", "--cacert"])
-        .arg(dir.join("ca.crt"))
-        .arg(&url)
-        .output()
-        .expect("curl runs");
-    let body = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let scrape = |ca: &Path| {
+        let out = Command::new("curl")
+            .args(["--silent", "--show-error", "--fail", "--cacert"])
+            .arg(ca)
+            .arg(&url)
+            .output()
+            .expect("curl runs");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (ok, body, err) = scrape(&env.cp.dir().join("ca.crt"));
+    assert!(ok, "{err}");
     assert!(body.contains("traffic_policy_lease_held"), "{body}");
     // Plain HTTP gets no metrics.
     let plain = controlplane::http_get_plain(operator.metrics_port, "/metrics").unwrap_or_default();
     assert!(!plain.contains("traffic_policy_lease_held"), "metrics served over plain HTTP too");
+
+    // A rotation: another certificate, trusted on its own, replaces both files.
+    let (new_cert, new_key) = controlplane::self_signed_localhost().unwrap();
+    let new_ca = dir.join("new-ca.crt");
+    std::fs::write(&new_ca, &new_cert).unwrap();
+    assert!(!scrape(&new_ca).0, "the new certificate is trusted before it is served: the check cannot fail");
+    std::fs::write(&key_path, new_key).unwrap();
+    std::fs::write(&cert_path, &new_cert).unwrap();
+    eventually_within(Duration::from_secs(40), "the rotated certificate is served", || async {
+        scrape(&new_ca).0.then_some(())
+    })
+    .await;
+    assert!(!scrape(&env.cp.dir().join("ca.crt")).0, "the old certificate is still served");
 }
 
 /// Every alert has a description and a runbook in docs/operations.md, and the monitoring

@@ -107,3 +107,61 @@ async fn failures_prometheus_could_not_see_before_show_in_metrics() {
     assert!(errors < 30.0, "{errors} labelling errors for one policy: retried in a hot loop");
     let _ = Api::<Namespace>::all(env.client.clone()).delete(&watched, &Default::default()).await;
 }
+
+/// With `--metrics-auth=kubernetes`, `/metrics` answers only a bearer token whose user may
+/// `get` it: 401 without a token or with a bad one, 403 for a user without the grant, the
+/// metrics for one bound to deploy/'s metrics-reader role.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_answer_only_authorized_scrapers() {
+    let env = TestEnv::new("e2e-metrics-auth").await;
+    let component =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/components/metrics-auth/metrics-auth.yaml");
+    let roles: Vec<_> = controlplane::manifests::read(&component)
+        .unwrap()
+        .into_iter()
+        .filter(|o| o.types.as_ref().is_some_and(|t| t.kind == "ClusterRole"))
+        .collect();
+    controlplane::manifests::apply(&env.client, &roles, "e2e-tests").await.unwrap();
+    let mut grants: Vec<Grant> = ["traffic-policy-operator", "traffic-policy-operator-metrics-auth"]
+        .map(|role| Grant::ClusterRole(role.into()))
+        .to_vec();
+    grants.push(Grant::ClusterRole("traffic-policy-operator-namespace-labels".into()));
+    let identity = env.operator_identity("operator", Some(grants)).await;
+    let operator = crate::support::Operator::start(&env, &identity, &["--metrics-auth=kubernetes"]).await;
+    let reader = env
+        .cp
+        .identity(&env.namespace, "scraper", &[Grant::ClusterRole("traffic-policy-operator-metrics-reader".into())])
+        .await
+        .unwrap();
+    let stranger = env.cp.identity(&env.namespace, "stranger", &[]).await.unwrap();
+    let scrape = |token: Option<&str>| {
+        let mut curl = std::process::Command::new("curl");
+        curl.args(["--silent", "--output", "-", "--write-out", "\n%{http_code}"]);
+        if let Some(token) = token {
+            curl.args(["--header", &format!("Authorization: Bearer {token}")]);
+        }
+        let out = curl.arg(format!("http://127.0.0.1:{}/metrics", operator.metrics_port)).output().expect("curl runs");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let (body, code) = text.rsplit_once('\n').unwrap();
+        (code.to_string(), body.to_string())
+    };
+    assert_eq!(scrape(None).0, "401", "no token");
+    assert_eq!(scrape(Some("not-a-token")).0, "401", "a token the API server does not know");
+    assert_eq!(scrape(Some(&stranger.token)).0, "403", "a user without get on /metrics");
+    let (code, body) = scrape(Some(&reader.token));
+    assert_eq!(code, "200", "{body}");
+    assert!(body.contains("traffic_policy_lease_held"), "{body}");
+    // The verdicts are cached: scraping again costs no TokenReview or SubjectAccessReview
+    // (the POSTs the operator counts, read from what the reader scrapes).
+    let posts = |body: &str| -> f64 {
+        body.lines()
+            .filter(|l| l.starts_with("rest_client_requests_total{") && l.contains("method=\"POST\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let before = posts(&scrape(Some(&reader.token)).1);
+    assert!(before >= 4.0, "the two reviews of each token were not counted: {before}");
+    assert_eq!(scrape(Some(&stranger.token)).0, "403");
+    let after = posts(&scrape(Some(&reader.token)).1);
+    assert_eq!(after, before, "a cached verdict was reviewed again");
+}

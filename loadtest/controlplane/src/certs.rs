@@ -37,3 +37,14 @@ pub fn generate(dir: &Path) -> Result<Pki> {
     write("sa.pub", &sa_key.public_key_pem())?;
     Ok(Pki { ca_pem: ca_cert.pem() })
 }
+
+/// A self-signed serving certificate for 127.0.0.1 and its key (PEM), which is its own CA:
+/// a test replaces a server's certificate with it and trusts only it.
+pub fn self_signed_localhost() -> Result<(String, String)> {
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(vec!["localhost".to_string()])?;
+    params.subject_alt_names.push(SanType::IpAddress("127.0.0.1".parse()?));
+    params.distinguished_name.push(DnType::CommonName, "traffic-policy-operator test serving certificate");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    Ok((params.self_signed(&key)?.pem(), key.serialize_pem()))
+}

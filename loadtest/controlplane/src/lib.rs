@@ -14,6 +14,7 @@
 //! ```
 
 mod certs;
+pub use certs::self_signed_localhost;
 pub mod gateway;
 pub mod gateway_timeout;
 mod identity;
