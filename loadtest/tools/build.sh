@@ -2,7 +2,8 @@
 # Builds a command-line tool the tests use from the Go module proxy, once per version, into
 # a cache outside the repo, and prints the binary's path.
 #
-#   loadtest/tools/build.sh helm        # helm, for the chart tests
+#   loadtest/tools/build.sh helm                 # helm, for the chart tests
+#   loadtest/tools/build.sh kube-state-metrics   # for its CustomResourceState config's test
 #
 # The cache root is the control plane's ($TPO_CONTROLPLANE_CACHE, else
 # $XDG_CACHE_HOME/traffic-policy-operator, else ~/.cache/traffic-policy-operator).
@@ -15,7 +16,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/../build-lib.sh"
 
 case ${1:-} in
   helm) package=helm.sh/helm/v4/cmd/helm version=v4.3.2 ;;
-  *) fail "usage: $0 helm" ;;
+  kube-state-metrics) package=k8s.io/kube-state-metrics/v2 version=v2.20.0 ;;
+  *) fail "usage: $0 helm|kube-state-metrics" ;;
 esac
 name=$1
 dir="$cache_root/tools/$name-$version"

@@ -8,12 +8,8 @@ use traffic_policy_operator::api::{ApplicationTrafficPolicy, Cidr, ConditionStat
 use crate::lifecycle::policy;
 use crate::support::{Operator, TestEnv, eventually};
 
-/// API requests, process metrics, both queue lanes, terminal errors and policies by Ready
-/// status and reason, after one policy that applies and one the API server refuses.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ordinary_work_shows_in_metrics() {
-    let env = TestEnv::new("e2e-metrics").await;
-    let operator = env.start_operator(&[]).await;
+/// Policy `fine`, Ready, and policy `refused`, whose NetworkPolicy the API server refuses.
+async fn fine_and_refused(env: &TestEnv) {
     let policies = env.api::<ApplicationTrafficPolicy>();
     policies.create(&PostParams::default(), &policy("fine", 80)).await.unwrap();
     let mut refused = policy("refused", 81);
@@ -23,6 +19,15 @@ async fn ordinary_work_shows_in_metrics() {
     policies.create(&PostParams::default(), &refused).await.unwrap();
     env.wait_ready("fine", ConditionStatus::True).await;
     env.wait_ready("refused", ConditionStatus::False).await;
+}
+
+/// API requests, process metrics, both queue lanes, terminal errors and policies by Ready
+/// status and reason, after one policy that applies and one the API server refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordinary_work_shows_in_metrics() {
+    let env = TestEnv::new("e2e-metrics").await;
+    let operator = env.start_operator(&[]).await;
+    fine_and_refused(&env).await;
 
     let m = |name: &str, label: Option<&str>| operator.metric(name, label);
     assert!(m("rest_client_requests_total", Some("method=\"PATCH\",code=\"200\"")) >= 2.0, "child applies counted");
@@ -164,4 +169,46 @@ async fn metrics_answer_only_authorized_scrapers() {
     assert_eq!(scrape(Some(&stranger.token)).0, "403");
     let after = posts(&scrape(Some(&reader.token)).1);
     assert_eq!(after, before, "a cached verdict was reviewed again");
+}
+
+/// deploy/kube-state-metrics/'s CustomResourceState config, read by a real kube-state-metrics
+/// against the API server: one series per policy and condition, 1 for True and 0 for False,
+/// so that Prometheus can say which policy fails and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kube_state_metrics_names_the_failing_policy() {
+    let env = TestEnv::new("e2e-ksm").await;
+    let _operator = env.start_operator(&[]).await;
+    fine_and_refused(&env).await;
+
+    let binary = controlplane::tools::kube_state_metrics().unwrap_or_else(|e| panic!("{e:#}"));
+    let config =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/kube-state-metrics/custom-resource-state.yaml");
+    let (port, telemetry) = (controlplane::free_port().unwrap(), controlplane::free_port().unwrap());
+    let args = [
+        format!("--kubeconfig={}", env.cp.kubeconfig_path().display()),
+        format!("--custom-resource-state-config-file={}", config.display()),
+        "--custom-resource-state-only=true".into(),
+        format!("--namespaces={}", env.namespace),
+        "--host=127.0.0.1".into(),
+        format!("--port={port}"),
+        "--telemetry-host=127.0.0.1".into(),
+        format!("--telemetry-port={telemetry}"),
+    ];
+    let log = env.cp.dir().join("kube-state-metrics.log");
+    let _ksm = controlplane::process::Process::start("kube-state-metrics", &binary, &args, &log).unwrap();
+    let series = |text: &str, name: &str| -> Option<f64> {
+        text.lines()
+            .filter(|l| l.starts_with("kube_applicationtrafficpolicy_status_condition{"))
+            .find(|l| l.contains(&format!("name=\"{name}\"")) && l.contains("type=\"Ready\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    let text = eventually("kube-state-metrics reports both policies", || async {
+        let text = controlplane::http_get_plain(port, "/metrics").ok()?;
+        (series(&text, "fine").is_some() && series(&text, "refused").is_some()).then_some(text)
+    })
+    .await;
+    assert_eq!(series(&text, "fine"), Some(1.0), "{text}");
+    assert_eq!(series(&text, "refused"), Some(0.0), "{text}");
+    let line = text.lines().find(|l| l.contains("name=\"refused\"") && l.contains("type=\"Ready\"")).unwrap();
+    assert!(line.contains(&format!("namespace=\"{}\"", env.namespace)) && line.contains("reason=\""), "{line}");
 }

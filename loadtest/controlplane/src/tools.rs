@@ -27,3 +27,11 @@ pub fn helm() -> Result<PathBuf> {
     static HELM: std::sync::OnceLock<std::result::Result<PathBuf, String>> = std::sync::OnceLock::new();
     HELM.get_or_init(|| run_build_script("../tools/build.sh", &["helm"], "helm")).clone().map_err(|e| anyhow!(e))
 }
+
+/// kube-state-metrics, built from its Go module on first use.
+pub fn kube_state_metrics() -> Result<PathBuf> {
+    static KSM: std::sync::OnceLock<std::result::Result<PathBuf, String>> = std::sync::OnceLock::new();
+    KSM.get_or_init(|| run_build_script("../tools/build.sh", &["kube-state-metrics"], "kube-state-metrics"))
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
