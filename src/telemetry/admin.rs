@@ -20,10 +20,10 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum_server::tls_rustls::RustlsConfig;
-
-use super::metrics_auth::MetricsAuth;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
+
+use super::metrics_auth::MetricsAuth;
 
 /// How often the metrics certificate's files are checked for a change.
 const RELOAD_CHECK: Duration = Duration::from_secs(10);

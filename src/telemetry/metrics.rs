@@ -164,7 +164,7 @@ pub fn set_working(working: bool) {
 }
 
 /// 1, with the operator's version: joins other series to the version that exported them.
-pub fn set_build_info() {
+fn set_build_info() {
     gauge!("traffic_policy_operator_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 

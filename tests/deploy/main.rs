@@ -6,6 +6,7 @@ mod common;
 
 mod chart;
 mod reinstall;
+mod roles;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

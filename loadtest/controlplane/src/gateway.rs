@@ -11,11 +11,10 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 
 use crate::process::Process;
 use crate::{ControlPlane, free_port};
@@ -26,10 +25,8 @@ pub const TRAEFIK_CONTROLLER: &str = "traefik.io/gateway-controller";
 /// Runs `loadtest/gateway/build.sh` once per process: builds Traefik if missing and returns
 /// the cache dir (`traefik` and `crds/`).
 pub fn ensure_gateway() -> Result<PathBuf> {
-    static DIR: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    DIR.get_or_init(|| crate::tools::run_build_script("../gateway/build.sh", &[], "gateway"))
-        .clone()
-        .map_err(|e| anyhow!(e))
+    static DIR: crate::tools::Built = crate::tools::Built::new();
+    crate::tools::built_once(&DIR, "../gateway/build.sh", &[], "gateway")
 }
 
 /// The CRD files the gateway tests install: the Gateway API standard channel, Traefik's

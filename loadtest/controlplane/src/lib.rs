@@ -437,8 +437,8 @@ pub fn ensure_binaries() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("TPO_CONTROLPLANE_BIN_DIR") {
         return Ok(PathBuf::from(dir));
     }
-    static BIN_DIR: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    BIN_DIR.get_or_init(|| tools::run_build_script("build.sh", &[], "controlplane")).clone().map_err(|e| anyhow!(e))
+    static BIN_DIR: tools::Built = tools::Built::new();
+    tools::built_once(&BIN_DIR, "build.sh", &[], "controlplane")
 }
 
 /// Polls `ready` every 100 ms until it holds, the process exits, or the deadline passes.

@@ -6,9 +6,16 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Result, anyhow};
 
-/// Runs `script` (relative to this crate) with `args`, its progress shown on stderr, and
-/// returns the path it prints on stdout.
-pub(crate) fn run_build_script(script: &str, args: &[&str], what: &str) -> std::result::Result<PathBuf, String> {
+/// What a build script printed, or why it failed; kept once per process.
+pub(crate) type Built = std::sync::OnceLock<std::result::Result<PathBuf, String>>;
+
+/// Runs `script` (relative to this crate) with `args` the first time `cell` is asked, its
+/// progress shown on stderr, and returns the path it printed on stdout.
+pub(crate) fn built_once(cell: &Built, script: &str, args: &[&str], what: &str) -> Result<PathBuf> {
+    cell.get_or_init(|| run_build_script(script, args, what)).clone().map_err(|e| anyhow!(e))
+}
+
+fn run_build_script(script: &str, args: &[&str], what: &str) -> std::result::Result<PathBuf, String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
     let out = Command::new("bash")
         .arg(&script)
@@ -24,14 +31,12 @@ pub(crate) fn run_build_script(script: &str, args: &[&str], what: &str) -> std::
 
 /// helm, built from its Go module on first use (`loadtest/tools/build.sh helm`).
 pub fn helm() -> Result<PathBuf> {
-    static HELM: std::sync::OnceLock<std::result::Result<PathBuf, String>> = std::sync::OnceLock::new();
-    HELM.get_or_init(|| run_build_script("../tools/build.sh", &["helm"], "helm")).clone().map_err(|e| anyhow!(e))
+    static HELM: Built = Built::new();
+    built_once(&HELM, "../tools/build.sh", &["helm"], "helm")
 }
 
 /// kube-state-metrics, built from its Go module on first use.
 pub fn kube_state_metrics() -> Result<PathBuf> {
-    static KSM: std::sync::OnceLock<std::result::Result<PathBuf, String>> = std::sync::OnceLock::new();
-    KSM.get_or_init(|| run_build_script("../tools/build.sh", &["kube-state-metrics"], "kube-state-metrics"))
-        .clone()
-        .map_err(|e| anyhow!(e))
+    static KSM: Built = Built::new();
+    built_once(&KSM, "../tools/build.sh", &["kube-state-metrics"], "kube-state-metrics")
 }
