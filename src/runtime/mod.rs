@@ -15,14 +15,10 @@
 //!   (what makes "write only what changed" safe across handoffs);
 //! - the write gate, checked per write, that ties every write to a confirmed Lease.
 //!
-//! And it costs less. `loadtest compare` at 20,000 policies (docs/benchmarks.md, 2026-12-02,
-//! on the compact cache) ran kube-runtime's `Controller` with this runtime's trimming,
-//! generation predicate and metadata-only child watches, and the same reconcile: against it,
-//! the operator (one replica, which also records an event per policy) used 0.47 × the
-//! CPU-seconds and 0.35 × the peak RSS, and converged in 0.72 × the time (0.64, 0.61 and
-//! 0.94 in the morning's run, before the compact cache). kube-runtime's unbounded
-//! concurrency gave it a lower median latency (4.0 s against 79 s with 8 workers) at a
-//! longer total.
+//! And it costs less: `loadtest compare` runs kube-runtime's `Controller` with this
+//! runtime's trimming, generation predicate and metadata-only child watches, and the same
+//! reconcile, beside the operator; docs/benchmarks.md ("Against controller-runtime and
+//! kube-runtime: one run") has the ratios of CPU-seconds, peak RSS and time.
 
 pub mod backoff;
 pub mod cache;
