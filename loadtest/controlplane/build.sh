@@ -2,16 +2,24 @@
 # Builds the local control plane (etcd, kube-apiserver, kube-controller-manager)
 # from the official Go modules, once per version, into a cache outside the repo.
 #
-#   loadtest/controlplane/build.sh        # build what is missing, print the bin dir
+#   loadtest/controlplane/build.sh          # the version the tests run (kubernetes/go.mod)
+#   loadtest/controlplane/build.sh oldest   # the oldest supported (kubernetes-oldest/go.mod)
+#
+# Each prints its bin dir once built; the Kubernetes version is the one its go.mod pins.
 #
 # The cache directory is $TPO_CONTROLPLANE_CACHE, else $XDG_CACHE_HOME/traffic-policy-operator,
 # else ~/.cache/traffic-policy-operator. Progress goes to stderr; the bin dir is the only stdout line.
 set -euo pipefail
 
-KUBE_VERSION=v1.36.3
 ETCD_VERSION=v3.6.16
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+case "${1:-}" in
+  "") kube_module=kubernetes ;;
+  oldest) kube_module=kubernetes-oldest ;;
+  *) echo "usage: $0 [oldest]" >&2; exit 2 ;;
+esac
+KUBE_VERSION=$(grep -m1 -oE 'k8s\.io/kubernetes v1\.[0-9]+\.[0-9]+' "$here/$kube_module/go.mod" | cut -d' ' -f2)
 BUILD_NAME=controlplane-build
 # shellcheck source=../build-lib.sh
 source "$here/../build-lib.sh"
@@ -50,7 +58,7 @@ build() { # name module_dir package ldflags
 
 log "building the control plane into $bin_dir"
 build etcd etcd . "-X go.etcd.io/etcd/api/v3/version.GitSHA=${ETCD_VERSION}"
-build kube-apiserver kubernetes k8s.io/kubernetes/cmd/kube-apiserver "$version_ldflags"
-build kube-controller-manager kubernetes k8s.io/kubernetes/cmd/kube-controller-manager "$version_ldflags"
+build kube-apiserver "$kube_module" k8s.io/kubernetes/cmd/kube-apiserver "$version_ldflags"
+build kube-controller-manager "$kube_module" k8s.io/kubernetes/cmd/kube-controller-manager "$version_ldflags"
 log "done"
 echo "$bin_dir"

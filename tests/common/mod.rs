@@ -131,12 +131,14 @@ async fn install_once(cp: &'static ControlPlane) {
             let crds = Api::<CustomResourceDefinition>::all(client.clone());
             crds.patch(&crd.name_any(), &apply, &Patch::Apply(&crd)).await.unwrap();
             // The admission policies of deploy/'s components: fencing, the operator's reach, and
-            // bucket labels.
+            // bucket labels where the server has MutatingAdmissionPolicy.
             // Every test runs its operators under service accounts of its own: each is the operator
             // to the fencing policy; any other identity (the admin, an impersonated tenant) is not.
-            for component in
-                ["fencing/fencing.yaml", "operator-reach/operator-reach.yaml", "bucket-labels/bucket-labels.yaml"]
-            {
+            let mut components = vec!["fencing/fencing.yaml", "operator-reach/operator-reach.yaml"];
+            if cp.release().has_mutating_admission_policy() {
+                components.push("bucket-labels/bucket-labels.yaml");
+            }
+            for component in components {
                 let mut objects = manifests::read(&Path::new(REPO).join("deploy/components").join(component)).unwrap();
                 manifests::set_policy_variable(&mut objects, "fromOperator", FROM_OPERATOR);
                 manifests::apply(&client, &objects, "e2e-tests").await.unwrap();

@@ -171,6 +171,24 @@ fn cases() -> Vec<(&'static str, Breaker, &'static str)> {
     ]
 }
 
+/// Whether the server's `message` says `expected`: `<field>: Invalid value: "<value>": <why>`.
+/// Older servers put the value's type (`"string"`) where a CEL rule's value goes, so there
+/// the field and the reason must match, and the value is not compared.
+fn says(message: &str, expected: &str, names_the_value: bool) -> bool {
+    if message.contains(expected) {
+        return true;
+    }
+    if names_the_value {
+        return false;
+    }
+    let Some((field, rest)) = expected.split_once(": Invalid value: ") else { return false };
+    let why = match rest.strip_prefix('"') {
+        Some(quoted) => quoted.split_once("\": ").map_or(rest, |(_, why)| why),
+        None => rest,
+    };
+    message.contains(&format!("{field}: Invalid value: ")) && message.contains(why)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_policies_are_rejected_with_the_field_named() {
     let env = TestEnv::new("e2e-validation").await;
@@ -193,11 +211,13 @@ async fn invalid_policies_are_rejected_with_the_field_named() {
     let cases = cases();
     assert!(cases.len() >= 15);
     let mut failures = Vec::new();
+    let names_the_value = env.cp.release().names_the_invalid_value();
     for (what, break_it, expected) in &cases {
         let mut spec = valid_spec();
         break_it(&mut spec);
         match create("invalid", spec).await {
-            Err(kube::Error::Api(status)) if status.code == 422 && status.message.contains(expected) => {}
+            Err(kube::Error::Api(status)) if status.code == 422 && says(&status.message, expected, names_the_value) => {
+            }
             Err(kube::Error::Api(status)) => failures.push(format!("{what}: got {} {:?}", status.code, status.message)),
             other => failures.push(format!("{what}: accepted or odd error: {other:?}")),
         }

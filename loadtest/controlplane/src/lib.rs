@@ -22,7 +22,9 @@ pub mod manifests;
 mod ports;
 pub mod process;
 pub mod proxy;
+mod release;
 pub mod tools;
+pub use release::Release;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -35,9 +37,6 @@ use base64::Engine;
 pub use identity::{Grant, Identity};
 pub use ports::free_port;
 use process::Process;
-
-/// The Kubernetes version the test bed runs; `build.sh` pins the same.
-pub const KUBERNETES_VERSION: &str = "v1.36.3";
 
 /// What the test control plane audits: writes by service accounts to the objects an
 /// operator under test writes. Everything else is left out to keep the log small.
@@ -75,11 +74,12 @@ const APISERVER_STOP_GRACE: Duration = Duration::from_secs(2);
 /// kube-apiserver's alpha gate for shard selectors on list and watch (KEP-5866).
 pub const SHARDED_LIST_AND_WATCH: &str = "ShardedListAndWatch=true";
 
-/// Whether the shared control plane serves shard selectors: yes, unless
-/// `TPO_TEST_SHARDED_LIST_AND_WATCH=off`, so that the suites run in either sharding mode
+/// Whether the shared control plane serves shard selectors: yes where its release has them,
+/// unless `TPO_TEST_SHARDED_LIST_AND_WATCH=off`, so that the suites run in either sharding mode
 /// (the operator picks the shard selector where the server honours it, labels otherwise).
 pub fn sharded_list_and_watch() -> bool {
-    std::env::var("TPO_TEST_SHARDED_LIST_AND_WATCH").as_deref() != Ok("off")
+    Release::of_tests().has_shard_selectors()
+        && std::env::var("TPO_TEST_SHARDED_LIST_AND_WATCH").as_deref() != Ok("off")
 }
 
 /// What to start. `Config::default()` is what the tests use.
@@ -94,6 +94,8 @@ pub struct Config {
     pub controller_manager: bool,
     /// A fixed apiserver port; a free one when `None`.
     pub apiserver_port: Option<u16>,
+    /// Which Kubernetes to run; [`Release::of_tests`] by default.
+    pub release: Release,
     /// Write kube-apiserver's audit log of what service accounts write (see
     /// [`ControlPlane::audit_log_path`]): the tests judge safety from what the server received.
     pub audit_writes: bool,
@@ -106,6 +108,7 @@ impl Default for Config {
             feature_gates: Vec::new(),
             controller_manager: true,
             apiserver_port: None,
+            release: Release::of_tests(),
             audit_writes: false,
         }
     }
@@ -135,7 +138,7 @@ pub struct ControlPlane {
 impl ControlPlane {
     /// Builds the binaries if needed, then starts every component and waits until ready.
     pub fn start(config: Config) -> Result<Self> {
-        let bin_dir = ensure_binaries()?;
+        let bin_dir = config.release.binaries()?;
         let temp = tempfile::Builder::new().prefix("tpo-controlplane-").tempdir().context("create a temp dir")?;
         let dir = temp.path().to_owned();
         let pki = certs::generate(&dir)?;
@@ -233,6 +236,11 @@ impl ControlPlane {
     /// The admin's bearer token (system:masters), for processes that take a token.
     pub fn admin_token(&self) -> &str {
         &self.admin_token
+    }
+
+    /// The Kubernetes release it runs.
+    pub fn release(&self) -> Release {
+        self.config.release
     }
 
     pub fn server_url(&self) -> String {
@@ -429,16 +437,6 @@ impl Drop for ControlPlane {
     fn drop(&mut self) {
         self.stop_all();
     }
-}
-
-/// Runs `loadtest/controlplane/build.sh`, which builds whatever is missing and prints the
-/// bin dir. `TPO_CONTROLPLANE_BIN_DIR` points at prebuilt binaries instead.
-pub fn ensure_binaries() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("TPO_CONTROLPLANE_BIN_DIR") {
-        return Ok(PathBuf::from(dir));
-    }
-    static BIN_DIR: tools::Built = tools::Built::new();
-    tools::built_once(&BIN_DIR, "build.sh", &[], "controlplane")
 }
 
 /// Polls `ready` every 100 ms until it holds, the process exits, or the deadline passes.

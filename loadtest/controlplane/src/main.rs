@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use controlplane::{Config, ControlPlane, KUBERNETES_VERSION};
+use controlplane::{Config, ControlPlane, Release};
 
 #[derive(Parser)]
 #[command(about = "Run a local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager)")]
@@ -22,6 +22,9 @@ struct Args {
     /// An extra kube-apiserver flag; repeatable (e.g. --apiserver-arg=--max-requests-inflight=800).
     #[arg(long, allow_hyphen_values = true)]
     apiserver_arg: Vec<String>,
+    /// Run the oldest Kubernetes the operator supports instead of the current one.
+    #[arg(long)]
+    oldest: bool,
     /// Also run a Traefik gateway against it (built once from its Go module) and a small
     /// HTTP backend that answers `GET /` with this text, in a network namespace of its own
     /// (needs root, `ip` and python3).
@@ -44,6 +47,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         feature_gates: args.feature_gates,
         controller_manager: true,
         apiserver_port: args.port,
+        release: if args.oldest { Release::Oldest } else { Release::Current },
         audit_writes: false,
     };
     let cp = ControlPlane::start(config)?;
@@ -53,7 +57,8 @@ fn run(args: Args) -> anyhow::Result<()> {
     std::fs::copy(cp.kubeconfig_path(), &args.kubeconfig)?;
     let kubeconfig = std::path::absolute(&args.kubeconfig)?;
     println!(
-        "Kubernetes {KUBERNETES_VERSION} control plane ready at {} in {:.1} s",
+        "Kubernetes {} control plane ready at {} in {:.1} s",
+        cp.release().version(),
         cp.server_url(),
         started.elapsed().as_secs_f64()
     );

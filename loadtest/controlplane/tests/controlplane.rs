@@ -4,7 +4,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use controlplane::{Config, ControlPlane, Grant, KUBERNETES_VERSION};
+use controlplane::{Config, ControlPlane, Grant};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role};
@@ -38,8 +38,9 @@ fn config_map(name: &str) -> ConfigMap {
 
 #[tokio::test]
 async fn serves_the_pinned_version_and_the_resources_we_need() {
-    let client = ControlPlane::shared().client().await.unwrap();
-    assert_eq!(client.apiserver_version().await.unwrap().git_version, KUBERNETES_VERSION);
+    let cp = ControlPlane::shared();
+    let client = cp.client().await.unwrap();
+    assert_eq!(client.apiserver_version().await.unwrap().git_version, cp.release().version());
 
     let discovery = kube::Discovery::new(client).run().await.unwrap();
     let has = |group: &str, plural: &str| {
