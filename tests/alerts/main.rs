@@ -210,11 +210,12 @@ async fn the_queue_depth_alert_fires_on_edits_and_not_on_a_restart_backlog() {
     for result in edits {
         result.unwrap();
     }
-    let (alert, _) = watch_alerts(port, "edits", |alert, _| {
-        alert.ends_with(&["pending".into(), "firing".into(), "inactive".into()])
-    })
-    .await;
-    assert!(alert.contains(&"firing".to_string()));
+    // Fired, then resolved. Prometheus only fires after 5 s pending, but polls slowed by the
+    // burst (or a query that failed meanwhile) can miss that stage, so the history need not show it.
+    let fired_and_resolved =
+        |alert: &[String]| alert.iter().any(|s| s == "firing") && alert.last().is_some_and(|s| s == "inactive");
+    let (alert, _) = watch_alerts(port, "edits", |alert, _| fired_and_resolved(alert)).await;
+    assert!(fired_and_resolved(&alert), "{alert:?}");
     common::eventually("the edits drain completely", || async move { (lane("high") == 0.0).then_some(()) }).await;
 
     // 3. The dashboard, against the same Prometheus: every expression parses and has data.
