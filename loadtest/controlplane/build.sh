@@ -19,10 +19,12 @@ case "${1:-}" in
   oldest) kube_module=kubernetes-oldest ;;
   *) echo "usage: $0 [oldest]" >&2; exit 2 ;;
 esac
-KUBE_VERSION=$(grep -m1 -oE 'k8s\.io/kubernetes v1\.[0-9]+\.[0-9]+' "$here/$kube_module/go.mod" | cut -d' ' -f2)
 BUILD_NAME=controlplane-build
 # shellcheck source=../build-lib.sh
 source "$here/../build-lib.sh"
+KUBE_VERSION=$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v1\./ { print $2; exit }
+                    $1 == "require" && $2 == "k8s.io/kubernetes" { print $3; exit }' "$here/$kube_module/go.mod")
+[[ -n "$KUBE_VERSION" ]] || fail "no k8s.io/kubernetes version in $kube_module/go.mod"
 bin_dir="$cache_root/controlplane/kubernetes-${KUBE_VERSION}_etcd-${ETCD_VERSION}"
 
 complete() {

@@ -40,7 +40,11 @@ pub async fn run_until_interrupted(
     if args.mode == Mode::ControllerRuntime {
         controller_runtime_peer()?;
     }
+    let release = controlplane::Release::of_tests();
     let feature_gates = match args.sharding {
+        Sharding::ShardSelector if !release.has_shard_selectors() => {
+            anyhow::bail!("--sharding shard-selector needs kube-apiserver 1.36+, not {}", release.version())
+        }
         Sharding::ShardSelector => vec![controlplane::SHARDED_LIST_AND_WATCH.to_string()],
         Sharding::Labels => vec![],
     };
@@ -74,7 +78,8 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     // As deploy/overlays/bucket-labels/ installs it: in label mode, the API server copies each
     // namespace's bucket label onto the policies written there. (The replicas run as admin,
     // so they need none of its grants.)
-    if args.mode == Mode::Operator && args.sharding == Sharding::Labels {
+    if args.mode == Mode::Operator && args.sharding == Sharding::Labels && cp.release().has_mutating_admission_policy()
+    {
         crate::deploy::install_bucket_labels(&client, &args.namespace_name(0)).await?;
     }
     let gateway = match args.gateway {

@@ -19,8 +19,8 @@ use crate::support::{TestEnv, eventually};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_carries_its_bucket_label_from_its_first_write() {
     if !controlplane::ControlPlane::shared().release().has_mutating_admission_policy() {
-        // The sharding suites run label mode without the component on such a server: the
-        // leader labels each policy itself.
+        // The harness leaves the component out on such a server, so every suite there runs
+        // label mode as the default install does: the leader labels each policy itself.
         println!("skipped: this kube-apiserver has no MutatingAdmissionPolicy v1 (1.36+)");
         return;
     }

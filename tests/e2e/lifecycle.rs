@@ -145,7 +145,7 @@ async fn a_spec_the_server_refuses_is_reported_and_not_retried() {
     bad.spec.ingress_rules[0].from[0].ip_block.except.clear();
     env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &bad).await.unwrap();
     if !env.cp.release().refuses_cidr_host_bits() {
-        // Older servers take it (as 10.0.0.0/8), so the policy takes effect.
+        // v1.32 accepts the NetworkPolicy, so the policy takes effect.
         env.wait_ready("bad-key", ConditionStatus::True).await;
         println!("skipped the refusal: this kube-apiserver accepts a CIDR with host bits, and so did the policy");
         return;

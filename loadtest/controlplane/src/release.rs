@@ -28,7 +28,8 @@ impl Release {
         }
     }
 
-    /// The kube-apiserver's `gitVersion`, as its go.mod pins it.
+    /// The kube-apiserver's `gitVersion`, as its go.mod pins it (`build.sh` reads it from
+    /// there; the control-plane test checks that the two agree).
     pub fn version(self) -> &'static str {
         match self {
             Self::Current => "v1.36.3",
@@ -48,7 +49,7 @@ impl Release {
     }
 
     /// Whether NetworkPolicy validation refuses a CIDR with host bits set (`10.0.0.1/8`), which
-    /// the policy CRD's `isCIDR` rule lets through: strict CIDR validation came after 1.32.
+    /// the policy CRD's `isCIDR` rule lets through: v1.32 accepts it.
     pub fn refuses_cidr_host_bits(self) -> bool {
         self == Self::Current
     }
@@ -59,15 +60,17 @@ impl Release {
     }
 
     /// Runs `build.sh` for this release once per process (it builds whatever is missing) and
-    /// returns the bin dir. `TPO_CONTROLPLANE_BIN_DIR` points at prebuilt binaries instead.
+    /// returns the bin dir. For the current release, `TPO_CONTROLPLANE_BIN_DIR` points at
+    /// prebuilt binaries instead (a build with symbols, for profiles); the oldest is always
+    /// the one `build.sh oldest` pins, so that the capabilities above hold.
     pub fn binaries(self) -> Result<PathBuf> {
-        if let Some(dir) = std::env::var_os("TPO_CONTROLPLANE_BIN_DIR") {
-            return Ok(PathBuf::from(dir));
-        }
         static CURRENT: Built = Built::new();
         static OLDEST: Built = Built::new();
         match self {
-            Self::Current => built_once(&CURRENT, "build.sh", &[], "controlplane"),
+            Self::Current => match std::env::var_os("TPO_CONTROLPLANE_BIN_DIR") {
+                Some(dir) => Ok(PathBuf::from(dir)),
+                None => built_once(&CURRENT, "build.sh", &[], "controlplane"),
+            },
             Self::Oldest => built_once(&OLDEST, "build.sh", &["oldest"], "controlplane (oldest)"),
         }
     }
