@@ -77,7 +77,7 @@ impl TestEnv {
     }
 
     /// A ServiceAccount bound to deploy/'s ClusterRoles, the bucket-label component's included
-    /// where the server has its admission policy (or to `cluster_grants` when given)
+    /// (or to `cluster_grants` when given)
     /// and to deploy/'s Role in this namespace, which serves as the operator's namespace.
     pub async fn operator_identity(&self, name: &str, cluster_grants: Option<Vec<Grant>>) -> controlplane::Identity {
         let mut role: Role = read_yaml("deploy/base/role.yaml");
@@ -85,11 +85,7 @@ impl TestEnv {
         let apply = PatchParams::apply("e2e-tests").force();
         self.api::<Role>().patch(&role.name_any(), &apply, &Patch::Apply(&role)).await.unwrap();
         let mut grants = cluster_grants.unwrap_or_else(|| {
-            let mut deployed = vec![operator_cluster_role()];
-            // The bucket-label component's grant comes with its admission policy, where served.
-            if self.cp.release().has_mutating_admission_policy() {
-                deployed.push(read_yaml(NAMESPACE_LABELS_ROLE));
-            }
+            let deployed = [operator_cluster_role(), read_yaml(NAMESPACE_LABELS_ROLE)];
             deployed.iter().map(|role| Grant::ClusterRole(role.name_any())).collect()
         });
         grants.push(Grant::Role { namespace: self.namespace.clone(), name: role.name_any() });
