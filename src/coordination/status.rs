@@ -81,7 +81,8 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             unowned.into_iter().collect::<Vec<_>>().join(",")
         );
     }
-    for lease in &leases.items {
+    // Member Leases only: the leader-election Lease advertises nothing.
+    for lease in leases.items.iter().filter(|l| l.name_any().starts_with(MEMBER_LEASE_PREFIX)) {
         let state = super::members::lease_state(lease);
         let Some(holder) = state.holder.as_deref().filter(|h| !h.is_empty()) else { continue };
         if let Some(why) = state.why_not_given(assignment.mode.as_str()) {

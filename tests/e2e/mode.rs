@@ -38,6 +38,8 @@ async fn the_sharding_mode_follows_what_the_api_server_offers() {
         .unwrap();
     let shards = String::from_utf8_lossy(&shards.stdout);
     assert!(shards.contains(&format!("sharding mode {}", mode.as_str())), "{shards}");
+    // The one replica leads and works: nothing says it is kept from buckets.
+    assert!(!shards.contains("gets no buckets"), "{shards}");
 }
 
 /// `--shard-mode=shard-selector` on a server without the feature gate is a clear start-up
