@@ -55,8 +55,9 @@ done
 head -1 "$state/controlplane.out"
 
 kubectl apply -f crds/ >/dev/null
-# The demo's replicas run as the control plane's admin: the fencing policy takes it for the operator.
-sed -e "s/'system:serviceaccount:traffic-policy-operator:traffic-policy-operator'/'admin'/" \
+# The demo's replicas run as the control plane's admin: the fencing policy takes it for the
+# operator (it applies once the operator's namespace, its parameter, exists).
+sed -e "s/'system:serviceaccount:' + params.metadata.name + ':traffic-policy-operator'/'admin'/" \
   deploy/components/fencing/fencing.yaml | kubectl apply -f - >/dev/null
 kubectl wait --for condition=established --timeout=60s crd/applicationtrafficpolicies.trafficpolicy.dev >/dev/null
 

@@ -87,7 +87,7 @@ async fn write_round(client: &Client, writes: usize, epoch: &mut u64) -> anyhow:
 /// The fencing policy, with this tool's identity (the admin) as the operator's.
 fn fencing_objects() -> anyhow::Result<Vec<DynamicObject>> {
     let mut objects = deploy::objects("components/fencing/fencing.yaml")?;
-    controlplane::manifests::set_policy_variable(&mut objects, "fromOperator", "request.userInfo.username == 'admin'");
+    controlplane::manifests::set_operator_identity(&mut objects, "request.userInfo.username == 'admin'");
     Ok(objects)
 }
 

@@ -140,7 +140,7 @@ async fn install_once(cp: &'static ControlPlane) {
             }
             for component in components {
                 let mut objects = manifests::read(&Path::new(REPO).join("deploy/components").join(component)).unwrap();
-                manifests::set_policy_variable(&mut objects, "fromOperator", FROM_OPERATOR);
+                manifests::set_operator_identity(&mut objects, FROM_OPERATOR);
                 manifests::apply(&client, &objects, "e2e-tests").await.unwrap();
             }
             // deploy/base/flowschema.yaml, for every service account: each test runs its operators

@@ -248,19 +248,19 @@ fn docker_ignores(dockerignore: &str, path: &str) -> bool {
 }
 
 /// deploy/base/flowschema.yaml puts the operator's Lease and assignment requests in the
-/// `leader-election` priority level and leaves its other requests where they were, as the
-/// API server's response headers say (they name the flow schema and level of each request).
+/// `leader-election` priority level and leaves its other requests where they were (a list of
+/// ConfigMaps, as its children's watch makes, included), as the API server's response headers
+/// say (they name the flow schema and level of each request).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_flowschema_puts_coordination_requests_in_the_leader_election_level() {
     let env = TestEnv::new("deploy-flowschema").await;
     let identity = env.operator_identity("traffic-policy-operator", None).await;
-    // As a namespace overlay would place it: the subject and the rules in the test's namespace.
+    // As kustomize's `namespace:` places it: the subject in the test's namespace.
     let mut schema: FlowSchema = common::read_yaml("deploy/base/flowschema.yaml");
     for rule in schema.spec.as_mut().unwrap().rules.iter_mut().flatten() {
         for subject in &mut rule.subjects {
             subject.service_account.as_mut().unwrap().namespace = env.namespace.clone();
         }
-        rule.resource_rules.iter_mut().flatten().for_each(|r| r.namespaces = Some(vec![env.namespace.clone()]));
     }
     let apply = PatchParams::apply("deploy-tests").force();
     let schemas = Api::<FlowSchema>::all(env.client.clone());
@@ -280,18 +280,22 @@ async fn the_flowschema_puts_coordination_requests_in_the_leader_election_level(
     };
     let ns = env.namespace.clone();
     let ours = (schema.uid().unwrap(), leader_election.clone());
-    for path in
-        [format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"), format!("/api/v1/namespaces/{ns}/configmaps")]
-    {
+    let assignment = format!("/api/v1/namespaces/{ns}/configmaps/traffic-policy-operator-assignment");
+    for path in [format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"), assignment] {
         // A new flow schema takes effect asynchronously.
         eventually(&format!("{path} is served by the flow schema"), || async {
             (served_by(path.clone()).await? == ours).then_some(())
         })
         .await;
     }
-    let policies = format!("/apis/trafficpolicy.dev/v1/namespaces/{ns}/applicationtrafficpolicies");
-    let (_, level) = served_by(policies).await.expect("APF headers on every response");
-    assert_ne!(level, leader_election, "policy requests must stay out of the leader-election level");
+    for path in [
+        format!("/apis/trafficpolicy.dev/v1/namespaces/{ns}/applicationtrafficpolicies"),
+        format!("/api/v1/namespaces/{ns}/configmaps"),
+        "/api/v1/configmaps".to_string(),
+    ] {
+        let (_, level) = served_by(path.clone()).await.expect("APF headers on every response");
+        assert_ne!(level, leader_election, "{path} must stay out of the leader-election level");
+    }
 }
 
 /// Every `namespace` and `namespaces` value anywhere in `value`, with where it was found.
@@ -315,42 +319,70 @@ fn namespaces_in(value: &serde_json::Value, at: &str, found: &mut Vec<(String, S
     }
 }
 
-/// An overlay that installs into another namespace reaches every place that names it, the
-/// cluster-scoped ClusterRoleBinding and FlowSchema included, and passes a server dry-run.
+/// A user's kustomization that sets `namespace:` over `dir`, written under target/tmp/.
+pub(crate) fn namespace_over(dir: &str, namespace: &str) -> String {
+    let at = format!("target/tmp/namespace-{namespace}-over-{}", dir.trim_end_matches('/').replace('/', "-"));
+    std::fs::create_dir_all(repo(&at)).unwrap();
+    let kustomization = format!("namespace: {namespace}\nresources: [../../../{dir}]\n");
+    std::fs::write(repo(&at).join("kustomization.yaml"), kustomization).unwrap();
+    at
+}
+
+/// Checks that the rendering of `dir` names no namespace but `target`: every `namespace`
+/// and `namespaces` value (a rule's `*` aside), the cluster-scoped ClusterRoleBindings' and
+/// FlowSchema's subjects included, and the admission policies' parameter, from which they take
+/// the operator's identity.
+fn names_only(env: &TestEnv, dir: &str, target: &str) {
+    let (ok, rendered, err) = kubectl(env.cp, &["kustomize", dir]);
+    assert!(ok, "{err}");
+    let mut found = Vec::new();
+    let mut kinds = Vec::new();
+    let mut parameters = Vec::new();
+    for doc in documents(&rendered) {
+        let kind = doc["kind"].as_str().unwrap().to_string();
+        namespaces_in(&doc, &kind, &mut found);
+        match kind.as_str() {
+            "ValidatingAdmissionPolicyBinding" => parameters.push(doc["spec"]["paramRef"]["name"].clone()),
+            "ValidatingAdmissionPolicy" => {
+                assert_eq!(doc["spec"]["paramKind"]["kind"], "Namespace", "{dir}: {doc}");
+                assert!(doc.to_string().contains("params.metadata.name"), "{dir}: the identity ignores the parameter");
+            }
+            _ => {}
+        }
+        kinds.push(kind);
+    }
+    let elsewhere: Vec<_> = found.iter().filter(|(_, ns)| ns != target && ns != "*").collect();
+    assert!(elsewhere.is_empty(), "{dir}: left in another namespace: {elsewhere:?}");
+    for place in ["ClusterRoleBinding.subjects.namespace", "FlowSchema.spec.rules.subjects.serviceAccount.namespace"] {
+        assert!(found.iter().any(|(at, _)| at == place), "{dir}: {place} not rendered: {found:?}");
+    }
+    assert!(kinds.iter().any(|k| k == "Namespace"), "{dir}: no Namespace");
+    assert_eq!(parameters.len(), 2, "{dir}: the fencing and operator-reach bindings: {parameters:?}");
+    assert!(parameters.iter().all(|p| p == target), "{dir}: a policy takes another namespace: {parameters:?}");
+}
+
+/// `namespace:` set as users set it, over deploy/, over an overlay, or in the overlay made
+/// for it, reaches every place that names the namespace, and the result passes a server
+/// dry-run. (tests/deploy/reinstall.rs runs an operator installed this way.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_namespace_overlay_moves_every_reference_to_the_namespace() {
+async fn a_namespace_set_with_kustomize_moves_every_reference_to_it() {
     let env = TestEnv::new("deploy-overlay").await;
     let overlay: serde_json::Value = serde_saphyr::from_str(
         &std::fs::read_to_string(repo("deploy/overlays/other-namespace/kustomization.yaml")).unwrap(),
     )
     .unwrap();
     let target = overlay["namespace"].as_str().unwrap().to_string();
-    let (ok, rendered, err) = kubectl(env.cp, &["kustomize", "deploy/overlays/other-namespace/"]);
-    assert!(ok, "{err}");
-    let mut found = Vec::new();
-    let mut kinds = Vec::new();
-    for doc in documents(&rendered) {
-        let kind = doc["kind"].as_str().unwrap().to_string();
-        namespaces_in(&doc, &kind, &mut found);
-        kinds.push(kind);
-    }
-    let elsewhere: Vec<_> = found.iter().filter(|(_, ns)| *ns != target).collect();
-    assert!(elsewhere.is_empty(), "left in another namespace: {elsewhere:?}");
-    for place in ["ClusterRoleBinding.subjects.namespace", "FlowSchema.spec.rules.subjects.serviceAccount.namespace"] {
-        assert!(found.iter().any(|(at, _)| at == place), "{place} not rendered: {found:?}");
-    }
-    assert!(kinds.iter().any(|k| k == "Namespace"));
-    // The admission policies name the operator by its user name, namespace included.
-    let identities: Vec<&str> =
-        rendered.split("system:serviceaccount:").skip(1).map(|rest| rest.split(':').next().unwrap()).collect();
-    assert!(identities.len() >= 2, "the fencing and operator-reach policies name no identity: {identities:?}");
-    assert!(identities.iter().all(|ns| *ns == target), "an admission policy names another namespace: {identities:?}");
+    names_only(&env, "deploy/overlays/other-namespace/", &target);
+    names_only(&env, &namespace_over("deploy/", &target), &target);
+    names_only(&env, &namespace_over("deploy/overlays/bucket-labels/", &target), &target);
 
     let (ok, _, err) = kubectl(env.cp, &["create", "namespace", &target]);
     assert!(ok || err.contains("AlreadyExists"), "{err}");
-    let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/overlays/other-namespace/"]);
-    assert!(ok, "dry-run of the namespace overlay failed: {err}");
-    assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
+    for dir in ["deploy/overlays/other-namespace/".to_string(), namespace_over("deploy/", &target)] {
+        let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", &dir]);
+        assert!(ok, "dry-run of {dir} failed: {err}");
+        assert!(out.contains("statefulset.apps/traffic-policy-operator created (server dry run)"), "{out}");
+    }
 }
 
 /// The image's command line, run as the image runs it: its ENTRYPOINT executed directly (the

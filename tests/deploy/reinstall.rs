@@ -1,6 +1,7 @@
 //! Removing the operator never removes what users declared: on a control plane of its own,
 //! the install is deleted and installed again, in the same namespace, then in another with
-//! Helm, and the policies and their children outlive each removal and are reconciled again.
+//! Helm, then in a third with kustomize's `namespace:`, and the policies and their children
+//! outlive each removal and are reconciled again.
 
 use std::time::Duration;
 
@@ -109,5 +110,24 @@ async fn an_uninstall_keeps_the_policies_and_a_reinstall_reconciles_them() {
         helm(Some(&kubeconfig), &["uninstall", "tpo", "--namespace", "platform-traffic", "--wait"])
     })
     .await;
-    println!("policy and children kept across three uninstalls; tokens {first} -> {second} -> {third}");
+
+    // As users move an install with kustomize: `namespace:` over deploy/.
+    let dir = crate::namespace_over("deploy/", "team-platform");
+    let (ok, _, err) = kubectl(&cp, &["apply", "-k", &dir]);
+    assert!(ok, "{err}");
+    let fourth = reconciled_by_install(&cp, "team-platform", 104).await;
+    assert!(fourth > third, "the install in team-platform wrote with token {fourth}, below the earlier {third}");
+    // Its fencing policy applies: the operator's token change above passed as that identity's,
+    // and the same change by another is refused.
+    let forged = serde_json::json!({"metadata": {"annotations": {FENCE_ANNOTATION: (fourth + 1).to_string()}}});
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), TENANT);
+    match configmaps.patch(POLICY, &PatchParams::default(), &Patch::Merge(&forged)).await {
+        Err(kube::Error::Api(refusal)) => {
+            assert_eq!(refusal.code, 403, "{refusal:?}");
+            assert!(refusal.message.contains("trafficpolicy.dev-fencing"), "{}", refusal.message);
+        }
+        other => panic!("the admin set a fencing token in the namespace-moved install: {other:?}"),
+    }
+    kept_after(&cp, &objects, || kubectl(&cp, &["delete", "-k", &dir, "--wait=true"])).await;
+    println!("policy and children kept across four uninstalls; tokens {first} -> {second} -> {third} -> {fourth}");
 }

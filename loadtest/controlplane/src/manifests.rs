@@ -17,16 +17,30 @@ pub fn read(path: &Path) -> Result<Vec<DynamicObject>> {
     Ok(documents.into_iter().flatten().collect())
 }
 
-/// Sets the CEL expression of variable `name` in every ValidatingAdmissionPolicy of `objects`
-/// that declares it (the fencing policy's `fromOperator`, for a harness whose operators run
-/// under identities of its own).
-pub fn set_policy_variable(objects: &mut [DynamicObject], name: &str, expression: &str) {
-    let policies =
-        objects.iter_mut().filter(|o| o.types.as_ref().is_some_and(|t| t.kind == "ValidatingAdmissionPolicy"));
-    for policy in policies {
+/// Makes `expression` the operator's identity in every ValidatingAdmissionPolicy of `objects`
+/// that declares the variable `fromOperator` (the fencing and operator-reach policies), for a
+/// harness whose operators run under identities of its own. The expression then needs no
+/// parameter: the policy's `paramKind` and its bindings' `paramRef` (the operator's namespace)
+/// are removed, so the policy applies whether or not that namespace exists.
+pub fn set_operator_identity(objects: &mut [DynamicObject], expression: &str) {
+    let is = |o: &DynamicObject, kind: &str| o.types.as_ref().is_some_and(|t| t.kind == kind);
+    let mut changed = Vec::new();
+    for policy in objects.iter_mut().filter(|o| is(o, "ValidatingAdmissionPolicy")) {
         let variables = policy.data["spec"]["variables"].as_array_mut().into_iter().flatten();
-        for variable in variables.filter(|v| v["name"] == name) {
+        let mut declares = false;
+        for variable in variables.filter(|v| v["name"] == "fromOperator") {
             variable["expression"] = expression.into();
+            declares = true;
+        }
+        if let Some(spec) = policy.data["spec"].as_object_mut().filter(|_| declares) {
+            spec.remove("paramKind");
+            changed.push(policy.name_any());
+        }
+    }
+    for binding in objects.iter_mut().filter(|o| is(o, "ValidatingAdmissionPolicyBinding")) {
+        let spec = binding.data["spec"].as_object_mut();
+        if let Some(spec) = spec.filter(|spec| changed.iter().any(|name| spec["policyName"] == name.as_str())) {
+            spec.remove("paramRef");
         }
     }
 }

@@ -7,8 +7,3 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
-
-{{/* The operator's identity, as the API server names it. */}}
-{{- define "tpo.username" -}}
-system:serviceaccount:{{ .Release.Namespace }}:traffic-policy-operator
-{{- end }}
