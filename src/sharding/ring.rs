@@ -14,6 +14,8 @@
 //! bucket-count rule above. With uneven weights a membership change moves more than 1/N of
 //! the weight (up to about four shares in the tests below): the price of tight balance.
 
+use std::sync::OnceLock;
+
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::bucket::{BUCKETS, Bucket};
@@ -66,7 +68,8 @@ impl Ring {
         order.sort_by_key(|&b| (std::cmp::Reverse(weights[usize::from(b)]), b));
         for bucket in order {
             let weight = weights[usize::from(bucket)];
-            let start = self.points.partition_point(|(position, _)| *position < bucket_position(bucket));
+            let position = bucket_position(bucket);
+            let start = self.points.partition_point(|(point, _)| *point < position);
             let mut clockwise = (0..self.points.len()).map(|step| self.points[(start + step) % self.points.len()].1);
             let owner = clockwise
                 .find(|&member| load[member] + weight <= capacity)
@@ -89,8 +92,11 @@ impl Ring {
     }
 }
 
+/// `xxh3("bucket-{b}")`, computed once per process: every assignment needs all of them.
 fn bucket_position(bucket: Bucket) -> u64 {
-    xxh3_64(format!("bucket-{bucket}").as_bytes())
+    static POSITIONS: OnceLock<Vec<u64>> = OnceLock::new();
+    let positions = POSITIONS.get_or_init(|| (0..BUCKETS).map(|b| xxh3_64(format!("bucket-{b}").as_bytes())).collect());
+    positions[usize::from(bucket)]
 }
 
 #[cfg(test)]
