@@ -18,7 +18,7 @@ async fn main() -> ExitCode {
         Some(Command::Shards { kubeconfig, namespace }) => {
             async {
                 let client = manager::client(kubeconfig.as_deref()).await?;
-                coordination::status::print(client, &namespace).await
+                coordination::shards_report::print(client, &namespace).await
             }
             .await
         }

@@ -10,16 +10,15 @@
 //! - [`follower`]: applying the published assignment to this replica (re-target the
 //!   watches at once, drain what was lost, acknowledge);
 //! - [`ownership`]: what this replica may write right now, with the fencing epoch;
-//! - [`gate`]: the wrapper that puts a reconcile behind that check;
+//! - [`sharded`]: the wrapper that puts a reconcile behind that check;
 //! - [`load`]: this replica's count of policies per bucket, reported on its member Lease;
 //! - [`mode`]: the start-up choice of shard selector or labels;
-//! - [`status`]: the `shards` command's report.
+//! - [`shards_report`]: the `shards` command's report.
 //!
 //! docs/sharding.md describes the protocol and why no two replicas write one object at once.
 
 pub mod epoch_floor;
 pub mod follower;
-pub mod gate;
 pub mod labeller;
 pub mod leader;
 pub mod lease;
@@ -29,7 +28,8 @@ pub mod mode;
 pub mod namespace_labels;
 pub mod ownership;
 pub mod published;
-pub mod status;
+pub mod sharded;
+pub mod shards_report;
 
 use std::time::Duration;
 

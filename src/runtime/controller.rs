@@ -33,7 +33,7 @@ use super::cache::{Cache, Entry};
 use super::child_versions::{CHILD_KINDS, ChildVersions, KnownBefore};
 use super::key::ObjectKey;
 use super::list_deadline::ListDeadline;
-use super::parts::{Buckets, Slice};
+use super::parts::{Buckets, SliceWatch};
 use super::predicate::{List, Sight};
 use super::queue::{Priority, WorkQueue};
 use super::stored::Stored;
@@ -125,7 +125,7 @@ where
         self,
         primary: impl Stream<Item = Cached<S::Object>> + Send + 'static,
         children: Vec<BoxStream<'static, ChildEvent>>,
-        slice: Slice,
+        slice: SliceWatch,
         child_versions: Arc<ChildVersions>,
         reconciler: Arc<R>,
         shutdown: CancellationToken,
@@ -319,7 +319,7 @@ where
     }
 
     /// Checks every second that each owned bucket is listed by every watch within the deadline.
-    async fn keep_list_deadline(self: Arc<Self>, slice: Slice, child_kinds: usize) {
+    async fn keep_list_deadline(self: Arc<Self>, slice: SliceWatch, child_kinds: usize) {
         let mut deadline = ListDeadline::new(self.settings.list_deadline);
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {

@@ -1,6 +1,6 @@
 //! The right to write, as a reconcile sees it: checked right before every API write, and
 //! carrying a fencing token to stamp on the write. Whoever runs the reconcile decides
-//! what the right rests on (sharding, in `coordination::gate`); the reconcile itself knows
+//! what the right rests on (sharding, in `coordination::sharded`); the reconcile itself knows
 //! nothing of buckets, leases or assignments.
 
 use std::sync::Arc;

@@ -43,7 +43,7 @@ pub const MAX_PARTS: usize = 8;
 pub type Buckets = BTreeSet<u16>;
 
 /// The buckets this replica owns, `None` until it knows.
-pub type Slice = tokio::sync::watch::Receiver<Option<Buckets>>;
+pub type SliceWatch = tokio::sync::watch::Receiver<Option<Buckets>>;
 
 /// How objects fall into buckets, and how a watch asks the API server for some buckets.
 #[derive(Clone)]
@@ -143,7 +143,7 @@ pub enum SliceEvent<K> {
 pub fn watch<K>(
     api: Api<K>,
     fixed_labels: Option<String>,
-    slice: Slice,
+    slice: SliceWatch,
     slicing: Slicing,
     health: Arc<WatchHealth>,
 ) -> BoxStream<'static, SliceEvent<K>>
@@ -192,7 +192,12 @@ struct Watched {
 }
 
 /// [`watch`], with `open` starting the watch of a selector.
-fn sliced<K>(slice: Slice, slicing: Slicing, open: Opener<K>, watched: Watched) -> BoxStream<'static, SliceEvent<K>>
+fn sliced<K>(
+    slice: SliceWatch,
+    slicing: Slicing,
+    open: Opener<K>,
+    watched: Watched,
+) -> BoxStream<'static, SliceEvent<K>>
 where
     K: Resource<DynamicType = ()> + Send + 'static,
 {

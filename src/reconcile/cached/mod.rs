@@ -345,7 +345,7 @@ mod tests {
 
     #[test]
     fn is_cached_with_its_bucket_and_kept_by_a_relist() {
-        use crate::coordination::gate::bucket_of_meta;
+        use crate::coordination::sharded::bucket_of_meta;
         use crate::runtime::cache;
         use crate::runtime::parts::Slicing;
         use crate::sharding::bucket::{self, BUCKET_LABEL, Mode};
