@@ -22,9 +22,11 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("no assignment in namespace {namespace:?}: is the operator running there?"))?;
     let (assignment, _) = decode(&cm).ok_or_else(|| anyhow::anyhow!("the assignment is malformed"))?;
     let leases = Api::<Lease>::namespaced(client.clone(), namespace).list(&ListParams::default()).await?;
+    // Member Leases only: the leader-election Lease advertises nothing.
+    let member_leases: Vec<&Lease> =
+        leases.items.iter().filter(|l| l.name_any().starts_with(MEMBER_LEASE_PREFIX)).collect();
     // Pod → the incarnation holding its member Lease ("" once released).
-    let holders: BTreeMap<String, String> = leases
-        .items
+    let holders: BTreeMap<String, String> = member_leases
         .iter()
         .filter_map(|l| {
             let pod = l.name_any().strip_prefix(MEMBER_LEASE_PREFIX)?.to_string();
@@ -81,8 +83,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             unowned.into_iter().collect::<Vec<_>>().join(",")
         );
     }
-    // Member Leases only: the leader-election Lease advertises nothing.
-    for lease in leases.items.iter().filter(|l| l.name_any().starts_with(MEMBER_LEASE_PREFIX)) {
+    for lease in member_leases {
         let state = super::members::lease_state(lease);
         let Some(holder) = state.holder.as_deref().filter(|h| !h.is_empty()) else { continue };
         if let Some(why) = state.why_not_given(assignment.mode.as_str()) {
