@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::RunArgs;
 use crate::client::Clients;
 use crate::coordination::follower::{Follower, slice_selector};
+use crate::coordination::labeller;
 use crate::coordination::leader::Leader;
 use crate::coordination::lease::MemberLease;
 use crate::coordination::load::LoadReport;
@@ -30,7 +31,7 @@ use crate::coordination::sharded::{Sharded, bucket_of_meta};
 use crate::reconcile::cached::CachedPolicy;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::reconcile::events::Events;
-use crate::reconcile::{FIELD_MANAGER, TrafficPolicyReconciler};
+use crate::reconcile::{CONTENT_STAMP, TrafficPolicyReconciler};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::cache::Cache;
 use crate::runtime::child_versions::ChildVersions;
@@ -138,7 +139,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         move |buckets| slice_selector(mode, buckets),
     );
     let policies = parts::watch(api(&client, &args), None, slice.clone(), slicing.clone(), watch_health.clone());
-    let primary = watch::primary(policies, crate::reconcile::labelled_from_backlog, writer);
+    let primary = watch::primary(policies, labeller::labelled_from_backlog, writer);
     let owned = Some(format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let owner_kind = "ApplicationTrafficPolicy";
     let children = vec![
@@ -152,7 +153,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             ),
             "NetworkPolicy",
             owner_kind,
-            FIELD_MANAGER,
+            CONTENT_STAMP,
         )
         .boxed(),
         watch::children(
@@ -165,7 +166,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             ),
             "ConfigMap",
             owner_kind,
-            FIELD_MANAGER,
+            CONTENT_STAMP,
         )
         .boxed(),
     ];

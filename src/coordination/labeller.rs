@@ -108,6 +108,12 @@ enum Labelled {
     Failed,
 }
 
+/// Whether the leader labelled `object` from its backlog (read from the watch event, before
+/// the cache keeps its compact copy), so that it is queued behind real changes.
+pub fn labelled_from_backlog(object: &impl ResourceExt) -> bool {
+    object.annotations().contains_key(BACKLOG_ANNOTATION)
+}
+
 /// Labels one policy. One from the backlog also gets [`BACKLOG_ANNOTATION`], so that the
 /// replica that sees it appear queues it behind real changes.
 async fn label(client: &Client, (namespace, name): &Key, lane: Lane) -> Labelled {

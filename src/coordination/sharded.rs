@@ -1,13 +1,17 @@
 //! Sharding wraps the reconciler: [`Sharded`] takes an object's bucket (as the cache keeps
 //! it, from [`bucket_of_meta`]), registers the reconcile with [`Ownership`] (so a handoff
-//! can drain it), and hands the business reconciler a [`WriteGate`] that checks the bucket is still ours before every write and
-//! gives the bucket's fencing epoch to stamp on it. The reconciler knows nothing of
-//! buckets, as in timebertt's sharding wrapper and kubert's `is_current_for`.
+//! can drain it), and hands the business reconciler a [`WriteGate`] that checks the bucket is
+//! still ours before every write, stamps the bucket's fencing epoch on it as
+//! [`FENCE_ANNOTATION`], and reads the fencing policy's refusal ([`FENCED_MESSAGE`]). The
+//! reconciler knows nothing of buckets or fencing, as in timebertt's sharding wrapper and
+//! kubert's `is_current_for`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kube::api::ObjectMeta;
+use kube::core::Status;
 use tokio::time::Instant;
 
 use super::ownership::{InFlight, Ownership};
@@ -16,6 +20,13 @@ use crate::runtime::gate::{GatedReconciler, Permit, WriteGate};
 use crate::runtime::{Action, ObjectKey, Reconciler};
 use crate::sharding::bucket::{self, BUCKET_LABEL, Bucket, Mode};
 use crate::telemetry::audit::Audit;
+
+/// On every object the operator writes: the writer's fencing token. The fencing policy in
+/// deploy/components/fencing/ refuses an update whose token is lower than the stored one.
+pub const FENCE_ANNOTATION: &str = "trafficpolicy.dev/shard-epoch";
+
+/// What the fencing policy says when it refuses a write.
+pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 
 /// The bucket of an object, from its metadata. In label mode: its bucket label (which may
 /// have been set by hand), or else its namespace's bucket. With the shard selector: its
@@ -96,6 +107,15 @@ impl WriteGate for ShardGate<'_> {
 
     fn abandoned(&self, sent: Instant) {
         self.in_flight.abandoned(sent);
+    }
+
+    fn stamp(&self, permit: &Permit, annotations: &mut BTreeMap<String, String>) {
+        annotations.insert(FENCE_ANNOTATION.into(), permit.token.to_string());
+    }
+
+    /// The fencing policy refused the write: a newer owner has written since.
+    fn is_fenced(&self, refusal: &Status) -> bool {
+        refusal.message.contains(FENCED_MESSAGE)
     }
 
     /// Children carry their bucket label only where watches select by it.

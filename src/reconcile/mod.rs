@@ -7,8 +7,9 @@
 //! differs. So a resync, a restart or a handoff of unchanged policies writes nothing.
 //!
 //! Every write goes through the [`WriteGate`] it is given: checked right before it is sent,
-//! stamped with the gate's fencing token, and bounded in time on both ends. Who may write
-//! (sharding) is the gate's business, not this module's.
+//! stamped with the gate's fencing token, and bounded in time on both ends. Who may write,
+//! how the token is carried and how a refusal of it reads (sharding and fencing) are the
+//! gate's business, not this module's.
 
 pub mod cached;
 pub mod desired;
@@ -34,23 +35,19 @@ use self::events::{Events, Occurrence};
 use self::gateway::verdict::Verdict;
 use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
-use crate::runtime::child_versions::{ApplyEffect, CONTENT_ANNOTATION, ChildVersions, content_hash};
-use crate::runtime::gate::{FENCE_ANNOTATION, GatedReconciler, WriteGate, bounded, with_server_timeout};
+use crate::runtime::child_versions::{ApplyEffect, ChildVersions, ContentStamp, content_hash};
+use crate::runtime::gate::{GatedReconciler, WriteGate, bounded, with_server_timeout};
 use crate::runtime::{Action, ObjectKey};
-use crate::sharding::bucket;
 use status::Outcome;
 
 /// The field manager of every write we make.
 pub const FIELD_MANAGER: &str = "traffic-policy-operator";
 
-/// What the fencing ValidatingAdmissionPolicy (deploy/components/fencing/) says when it refuses a write.
-pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
+/// On every child we write: the [`content_hash`] of what we wrote, in hex.
+pub const CONTENT_ANNOTATION: &str = "trafficpolicy.dev/content";
 
-/// Whether the leader labelled `policy` from its backlog (read from the event: the cached
-/// policy keeps no annotations).
-pub fn labelled_from_backlog(policy: &ApplicationTrafficPolicy) -> bool {
-    policy.annotations().contains_key(bucket::BACKLOG_ANNOTATION)
-}
+/// How the child watches tell a child still as we wrote it (see [`ChildVersions`]).
+pub const CONTENT_STAMP: ContentStamp = ContentStamp { annotation: CONTENT_ANNOTATION, field_manager: FIELD_MANAGER };
 
 /// All the reconcile reads of a child's apply answer: its new resourceVersion. Reading
 /// only this lets serde skip the rest of the object unparsed, its managedFields above all,
@@ -143,15 +140,15 @@ impl TrafficPolicyReconciler {
     {
         let permit = gate.check(kind)?;
         child.annotations_mut().insert(CONTENT_ANNOTATION.into(), format!("{content:x}"));
-        child.annotations_mut().insert(FENCE_ANNOTATION.into(), permit.token.to_string());
+        gate.stamp(&permit, child.annotations_mut());
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let request = Request::new(url)
             .patch(&child.name_any(), &params, &Patch::Apply(&child))
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
         let applied: Applied = bounded(gate, &permit, self.client.request(request)).await.map_err(|e| match e {
-            Error::Kube(kube::Error::Api(status)) if is_fenced(&status) => {
-                Error::Fenced(format!("{kind} {}/{}: {}", key.namespace(), child.name_any(), status.message))
+            Error::Fenced(refusal) => {
+                Error::Fenced(format!("{kind} {}/{}: {refusal}", key.namespace(), child.name_any()))
             }
             // The server refused the object as invalid: the spec holds something the CRD
             // schema could not rule out (e.g. an invalid label key). Retrying won't help.
@@ -191,9 +188,9 @@ impl TrafficPolicyReconciler {
             Ok(_) => Ok(()),
             // Deleted meanwhile: nothing left to report on.
             Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => Ok(()),
-            Err(Error::Kube(kube::Error::Api(s))) if is_fenced(&s) => {
+            Err(Error::Fenced(refusal)) => {
                 let policy = format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any());
-                Err(Error::Fenced(format!("the status of ApplicationTrafficPolicy {policy}: {}", s.message)))
+                Err(Error::Fenced(format!("the status of ApplicationTrafficPolicy {policy}: {refusal}")))
             }
             Err(e) => Err(e),
         }
@@ -242,11 +239,6 @@ impl TrafficPolicyReconciler {
 /// Now, in whole seconds, as the API server keeps metav1.Time.
 fn now() -> Time {
     Time(Timestamp::from_second(Timestamp::now().as_second()).expect("now is in range"))
-}
-
-/// The fencing policy refused the write: a newer owner has written since.
-fn is_fenced(status: &kube::core::Status) -> bool {
-    status.message.contains(FENCED_MESSAGE)
 }
 
 impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {

@@ -6,14 +6,13 @@
 //! dropped with its owner.
 //!
 //! It also knows what each child holds (a hash of the content we wrote, stamped on the child
-//! as [`CONTENT_ANNOTATION`]) when the child is known to be as we wrote it, so the reconcile
-//! can skip an apply that would change nothing: no write per child at resync, restart or
-//! handoff.
+//! under the controller's [`ContentStamp`]) when the child is known to be as we wrote it, so
+//! the reconcile can skip an apply that would change nothing: no write per child at resync,
+//! restart or handoff.
 //!
 //! And it remembers the last generation of each owner whose outcome was reported, with the
-//! owner's uid (for the traffic-policy reconcile, its "Applied" event), since the cache may
-//! not show yet the status written with it: a second reconcile close behind the first must
-//! not report again.
+//! owner's uid (an event, say), since the cache may not show yet the status written with it:
+//! a second reconcile close behind the first must not report again.
 //!
 //! The echo of a write may arrive before the write's response. So while an owner is being
 //! written ([`ChildVersions::begin_write`] … [`ChildVersions::end_write`]), events for its
@@ -29,26 +28,31 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::key::ObjectKey;
 
-/// On every child we write: the [`content_hash`] of what we wrote, in hex.
-pub const CONTENT_ANNOTATION: &str = "trafficpolicy.dev/content";
+/// How a controller marks a child with what it wrote: the annotation that holds the
+/// [`content_hash`] in hex, written by applies of `field_manager`.
+#[derive(Clone, Copy, Debug)]
+pub struct ContentStamp {
+    pub annotation: &'static str,
+    pub field_manager: &'static str,
+}
 
 /// A hash of a child as we would write it (before the content and fencing annotations go on).
 pub fn content_hash<C: Serialize>(child: &C) -> u64 {
     xxh3_64(&serde_json::to_vec(child).expect("a child serializes"))
 }
 
-/// The content hash stamped on a child, if the child is still as its last apply by
-/// `field_manager` left it: no other manager has changed it since. managedFields times have
-/// one-second resolution, so a change in the same second counts as someone else's.
-pub fn stamped_content(meta: &ObjectMeta, field_manager: &str) -> Option<u64> {
-    let stamp = meta.annotations.as_ref()?.get(CONTENT_ANNOTATION)?;
+/// The content hash stamped on a child, if the child is still as its last apply by the
+/// stamp's field manager left it: no other manager has changed it since. managedFields times
+/// have one-second resolution, so a change in the same second counts as someone else's.
+pub fn stamped_content(meta: &ObjectMeta, stamp: ContentStamp) -> Option<u64> {
+    let hash = meta.annotations.as_ref()?.get(stamp.annotation)?;
     let entries = meta.managed_fields.as_deref().unwrap_or_default();
     let ours = |e: &&k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry| {
-        e.manager.as_deref() == Some(field_manager)
+        e.manager.as_deref() == Some(stamp.field_manager)
     };
     let last_apply = entries.iter().filter(ours).filter_map(|e| e.time.as_ref()).map(|t| t.0).max()?;
     let changed_since = entries.iter().filter(|e| !ours(e)).any(|e| e.time.as_ref().is_none_or(|t| t.0 >= last_apply));
-    if changed_since { None } else { u64::from_str_radix(stamp, 16).ok() }
+    if changed_since { None } else { u64::from_str_radix(hash, 16).ok() }
 }
 
 /// What we know of one child (24 bytes: the hashes and the generation are never 0, so
@@ -84,14 +88,14 @@ fn hash(value: u64) -> Hash {
 }
 
 /// A resourceVersion, hashed: it is only ever compared for equality, and a hash is a tenth
-/// of a string's memory (one per child of every policy).
+/// of a string's memory (one per child of every owner).
 fn version(resource_version: &str) -> Hash {
     hash(xxh3_64(resource_version.as_bytes()))
 }
 
 /// The most kinds of children an owner may have: room for each in every owner's entry.
-/// (The traffic-policy controller has two; the controller checks its child watches against
-/// this at start, so a third kind fails there rather than on its first event.)
+/// (The controller checks its child watches against this at start, so one kind too many
+/// fails there rather than on its first event.)
 pub const CHILD_KINDS: usize = 2;
 
 /// What we know of one owner's children, a slot per kind (see [`Inner::kinds`]), and the

@@ -1,20 +1,19 @@
 //! The right to write, as a reconcile sees it: checked right before every API write, and
-//! carrying a fencing token to stamp on the write. Whoever runs the reconcile decides
-//! what the right rests on (sharding, in `coordination::sharded`); the reconcile itself knows
-//! nothing of buckets, leases or assignments.
+//! carrying a fencing token that the gate stamps on the write. Whoever runs the reconcile
+//! decides what the right rests on, how the token is stamped and how the API server's
+//! refusal of a stale token reads (sharding, in `coordination::sharded`); the reconcile
+//! itself knows nothing of buckets, leases, assignments or fencing annotations.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kube::core::Status;
 use tokio::time::Instant;
 
 use super::controller::Action;
 use super::key::ObjectKey;
 use crate::error::{Error, Result};
-
-/// On every object we write: the writer's fencing token. The fencing policy in
-/// deploy/components/fencing/ refuses an update whose token is lower than the stored one.
-pub const FENCE_ANNOTATION: &str = "trafficpolicy.dev/shard-epoch";
 
 /// Leave to send one write.
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +38,10 @@ pub trait WriteGate: Send + Sync {
     fn routing_labels(&self) -> Vec<(String, String)>;
     /// A write sent at `sent` was given up unanswered; it may still land for a while.
     fn abandoned(&self, sent: Instant);
+    /// Puts `permit`'s fencing token on an object about to be written.
+    fn stamp(&self, permit: &Permit, annotations: &mut BTreeMap<String, String>);
+    /// Whether the API server's refusal says the object holds a newer writer's token.
+    fn is_fenced(&self, refusal: &Status) -> bool;
 }
 
 /// A reconciler whose writes go through a [`WriteGate`].
@@ -56,7 +59,8 @@ pub trait GatedReconciler<K>: Send + Sync + 'static {
 /// Runs one write, permitted by `permit`, within the gate's bound from the permit's send
 /// time; a write that does not answer in time is reported as abandoned, since it may still
 /// reach the server. A write whose bound passed before it could be sent (the process was
-/// paused after the check) is not sent at all.
+/// paused after the check) is not sent at all. A refusal the gate reads as fenced is
+/// [`Error::Fenced`].
 pub async fn bounded<T>(
     gate: &dyn WriteGate,
     permit: &Permit,
@@ -75,6 +79,7 @@ pub async fn bounded<T>(
     // timed out, may come while the write still goes through.
     abandoned.armed = !matches!(result, Ok(Ok(_))) && !matches!(&result, Ok(Err(kube::Error::Api(s))) if s.code < 500);
     match result {
+        Ok(Err(kube::Error::Api(refusal))) if gate.is_fenced(&refusal) => Err(Error::Fenced(refusal.message)),
         Ok(result) => Ok(result?),
         Err(_) => Err(Error::Timeout(bound)),
     }
@@ -131,6 +136,10 @@ mod tests {
         fn abandoned(&self, sent: Instant) {
             self.0.lock().unwrap().push(sent);
         }
+        fn stamp(&self, _: &Permit, _: &mut BTreeMap<String, String>) {}
+        fn is_fenced(&self, refusal: &Status) -> bool {
+            refusal.reason == "Fenced"
+        }
     }
 
     #[tokio::test(start_paused = true)]
@@ -149,6 +158,9 @@ mod tests {
             bounded(&gate, &permit, async { Err::<(), _>(kube::Error::Api(Box::new(gateway_timeout))) }).await;
         assert!(gateway_timeout.is_err());
         assert_eq!(gate.0.lock().unwrap().len(), 1, "a 504 may still land");
+        let stale = kube::core::Status::failure("token 3 < 4", "Fenced").with_code(403);
+        let stale = bounded(&gate, &permit, async { Err::<(), _>(kube::Error::Api(Box::new(stale))) }).await;
+        assert!(matches!(stale, Err(Error::Fenced(message)) if message == "token 3 < 4"), "the gate reads the refusal");
         gate.0.lock().unwrap().clear();
         let hung = bounded(&gate, &gate.check("x").unwrap(), std::future::pending::<kube::Result<()>>()).await;
         assert!(matches!(hung, Err(Error::Timeout(_))));

@@ -14,7 +14,7 @@ use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use super::cache::{Applied, CacheWriter};
-use super::child_versions::stamped_content;
+use super::child_versions::{ContentStamp, stamped_content};
 use super::key::ObjectKey;
 use super::parts::{Scope, SliceEvent};
 use super::predicate::Sight;
@@ -99,13 +99,13 @@ pub enum ChildEvent {
 }
 
 /// Metadata-only events of children whose controller is a `owner_kind`, selected by label
-/// on the server. Nothing is cached: the owner's key, the version and the content stamp of
-/// `field_manager` are all the runtime needs.
+/// on the server. Nothing is cached: the owner's key, the version and the content hash under
+/// `stamp` are all the runtime needs.
 pub fn children<C>(
     events: BoxStream<'static, SliceEvent<PartialObjectMeta<C>>>,
     kind: &'static str,
     owner_kind: &'static str,
-    field_manager: &'static str,
+    stamp: ContentStamp,
 ) -> impl Stream<Item = ChildEvent> + Send
 where
     C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -127,7 +127,7 @@ where
             kind,
             owner: ObjectKey::new(child.namespace().unwrap_or_default(), &owner.name),
             resource_version: if deleted { None } else { child.resource_version() },
-            content: stamped_content(&child.metadata, field_manager),
+            content: stamped_content(&child.metadata, stamp),
             part,
             initial,
         })

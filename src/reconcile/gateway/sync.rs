@@ -18,9 +18,10 @@ use super::verdict::{self, RouteRead, Verdict};
 use super::{PROVIDERS, Provider, gateway, gateway_class, http_route};
 use crate::api::{ApplicationTrafficPolicy, ConditionStatus};
 use crate::error::{Error, Result};
+use crate::reconcile::CONTENT_ANNOTATION;
 use crate::reconcile::TrafficPolicyReconciler;
 use crate::runtime::ObjectKey;
-use crate::runtime::child_versions::{CONTENT_ANNOTATION, content_hash};
+use crate::runtime::child_versions::content_hash;
 use crate::runtime::gate::WriteGate;
 
 impl TrafficPolicyReconciler {

@@ -42,7 +42,7 @@ fn meta(stamp: Option<&str>, entries: &[(&str, &str)]) -> ObjectMeta {
         ..Default::default()
     };
     ObjectMeta {
-        annotations: stamp.map(|s| [(CONTENT_ANNOTATION.to_string(), s.to_string())].into()),
+        annotations: stamp.map(|s| [("example.com/content".to_string(), s.to_string())].into()),
         managed_fields: Some(entries.iter().map(entry).collect()),
         ..Default::default()
     }
@@ -50,12 +50,14 @@ fn meta(stamp: Option<&str>, entries: &[(&str, &str)]) -> ObjectMeta {
 
 #[test]
 fn a_stamp_counts_only_when_no_other_manager_changed_the_child_since() {
-    let (us, t1, t2) = ("operator", "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z");
-    assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1)]), us), Some(255));
-    assert_eq!(stamped_content(&meta(Some("ff"), &[("kubectl-label", t1), (us, t2)]), us), Some(255));
-    assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1), ("kubectl-edit", t2)]), us), None, "edited after");
-    assert_eq!(stamped_content(&meta(Some("ff"), &[(us, t1), ("kubectl-edit", t1)]), us), None, "same second");
-    assert_eq!(stamped_content(&meta(None, &[(us, t1)]), us), None, "no stamp");
+    let (t1, t2) = ("2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z");
+    let us = ContentStamp { annotation: "example.com/content", field_manager: "operator" };
+    let ours = us.field_manager;
+    assert_eq!(stamped_content(&meta(Some("ff"), &[(ours, t1)]), us), Some(255));
+    assert_eq!(stamped_content(&meta(Some("ff"), &[("kubectl-label", t1), (ours, t2)]), us), Some(255));
+    assert_eq!(stamped_content(&meta(Some("ff"), &[(ours, t1), ("kubectl-edit", t2)]), us), None, "edited after");
+    assert_eq!(stamped_content(&meta(Some("ff"), &[(ours, t1), ("kubectl-edit", t1)]), us), None, "same second");
+    assert_eq!(stamped_content(&meta(None, &[(ours, t1)]), us), None, "no stamp");
     assert_eq!(stamped_content(&meta(Some("ff"), &[("kubectl-create", t1)]), us), None, "never applied by us");
 }
 
