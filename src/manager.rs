@@ -177,7 +177,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     reconciler.panic_on = args.test_panic_on.clone();
     reconciler.stall_on = args.test_stall_on.clone();
     reconciler.gateway_provider = args.gateway_provider;
-    let reconciler = Arc::new(Sharded::new(reconciler, ownership.clone(), audit.clone()));
+    let reconciler = Arc::new(reconciler);
+    let gatekeeper = Arc::new(Sharded::new(ownership.clone(), audit.clone()));
     let settings = Settings {
         name: CONTROLLER_NAME,
         workers: args.workers.into(),
@@ -208,7 +209,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     // Run until shutdown; a critical task that ends first stops the process, after the
     // same orderly shutdown.
-    let controller = controller.run(primary, children, slice, child_versions, reconciler, shutdown.clone());
+    let controller = controller.run(primary, children, slice, child_versions, reconciler, gatekeeper, shutdown.clone());
     let mut controller = std::pin::pin!(controller);
     let (mut lease_task, mut leader_task, mut follower_task) =
         (Some(lease_task), Some(leader_task), Some(follower_task));

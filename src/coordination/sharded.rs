@@ -1,7 +1,7 @@
-//! Sharding wraps the reconciler: [`Sharded`] takes an object's bucket (as the cache keeps
-//! it, from [`bucket_of_meta`]), registers the reconcile with [`Ownership`] (so a handoff
-//! can drain it), and hands the business reconciler a [`WriteGate`] that checks the bucket is
-//! still ours before every write, stamps the bucket's fencing epoch on it as
+//! Sharding keeps the gate: [`Sharded`] takes an object's bucket (as the cache keeps it, from
+//! [`bucket_of_meta`]), registers the reconcile with [`Ownership`] (so a handoff can drain
+//! it), and gives the business reconciler a [`WriteGate`] that checks the bucket is still
+//! ours before every write, stamps the bucket's fencing epoch on it as
 //! [`FENCE_ANNOTATION`], and reads the fencing policy's refusal ([`FENCED_MESSAGE`]). The
 //! reconciler knows nothing of buckets or fencing, as in timebertt's sharding wrapper and
 //! kubert's `is_current_for`.
@@ -16,8 +16,8 @@ use tokio::time::Instant;
 
 use super::ownership::{InFlight, Ownership};
 use crate::error::{Error, Result};
-use crate::runtime::gate::{GatedReconciler, Permit, WriteGate};
-use crate::runtime::{Action, ObjectKey, Reconciler};
+use crate::runtime::gate::{Gatekeeper, Permit, WriteGate};
+use crate::runtime::{Action, ObjectKey};
 use crate::sharding::bucket::{self, BUCKET_LABEL, Bucket, Mode};
 use crate::telemetry::audit::Audit;
 
@@ -39,42 +39,36 @@ pub fn bucket_of_meta(meta: &ObjectMeta, mode: Mode) -> Option<Bucket> {
     }
 }
 
-pub struct Sharded<R> {
-    inner: R,
+/// The gatekeeper of a sharded controller: a reconcile may write while its object's bucket
+/// is this replica's, and is registered with [`Ownership`] meanwhile, so that a handoff
+/// drains it.
+pub struct Sharded {
     ownership: Arc<Ownership>,
     audit: Audit,
 }
 
-impl<R> Sharded<R> {
-    pub fn new(inner: R, ownership: Arc<Ownership>, audit: Audit) -> Self {
-        Self { inner, ownership, audit }
+impl Sharded {
+    pub fn new(ownership: Arc<Ownership>, audit: Audit) -> Self {
+        Self { ownership, audit }
     }
 }
 
-impl<S, R> Reconciler<S> for Sharded<R>
-where
-    S: Send + Sync + 'static,
-    R: GatedReconciler<S>,
-{
-    async fn reconcile(&self, key: &ObjectKey, object: Arc<S>, bucket: Option<u16>) -> Result<Action> {
-        let mode = self.ownership.mode();
-        let Some(in_flight) = bucket.and_then(|b| self.ownership.begin(b)) else {
-            return Ok(Action::Skip);
-        };
-        let gate = ShardGate { in_flight, mode, key, audit: &self.audit };
-        self.audit.record("reconcile_start", key, &gate.in_flight.bucket.to_string());
-        let result = self.inner.reconcile(key, object, &gate).await;
-        self.audit.record("reconcile_end", key, result.as_ref().map_or_else(|e| e.kind(), |_| "ok"));
-        result
+impl Gatekeeper for Sharded {
+    type Gate<'a> = ShardGate<'a>;
+
+    fn admit<'a>(&'a self, key: &'a ObjectKey, bucket: Option<u16>) -> Option<ShardGate<'a>> {
+        let in_flight = self.ownership.begin(bucket?)?;
+        self.audit.record("reconcile_start", key, &in_flight.bucket.to_string());
+        Some(ShardGate { in_flight, mode: self.ownership.mode(), key, audit: &self.audit })
     }
 
-    fn forget(&self, key: &ObjectKey) {
-        self.inner.forget(key);
+    fn finished(&self, gate: ShardGate<'_>, outcome: &Result<Action>) {
+        self.audit.record("reconcile_end", gate.key, outcome.as_ref().map_or_else(|e| e.kind(), |_| "ok"));
     }
 }
 
 /// One reconcile's right to write its object's bucket.
-struct ShardGate<'a> {
+pub struct ShardGate<'a> {
     in_flight: InFlight,
     mode: Mode,
     key: &'a ObjectKey,

@@ -36,8 +36,8 @@ use self::gateway::verdict::Verdict;
 use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, ChildVersions, ContentStamp, content_hash};
-use crate::runtime::gate::{GatedReconciler, WriteGate, bounded, with_server_timeout};
-use crate::runtime::{Action, ObjectKey};
+use crate::runtime::gate::{WriteGate, bounded, with_server_timeout};
+use crate::runtime::{Action, ObjectKey, Reconciler};
 use status::Outcome;
 
 /// The field manager of every write we make.
@@ -241,7 +241,7 @@ fn now() -> Time {
     Time(Timestamp::from_second(Timestamp::now().as_second()).expect("now is in range"))
 }
 
-impl GatedReconciler<CachedPolicy> for TrafficPolicyReconciler {
+impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
     async fn reconcile(&self, key: &ObjectKey, cached: Arc<CachedPolicy>, gate: &dyn WriteGate) -> Result<Action> {
         // Only formatted when a test flag is set: this is every reconcile's path.
         let targets = |flag: &Option<String>| flag.as_ref().is_some_and(|target| *target == key.to_string());

@@ -31,6 +31,7 @@ use tracing::{Instrument, field};
 use super::backoff::Backoff;
 use super::cache::{Cache, Entry};
 use super::child_versions::{CHILD_KINDS, ChildVersions, KnownBefore};
+use super::gate::{Gatekeeper, WriteGate};
 use super::key::ObjectKey;
 use super::list_deadline::ListDeadline;
 use super::parts::{Buckets, SliceWatch};
@@ -57,12 +58,12 @@ pub enum Action {
 /// The business logic plugged into the runtime.
 pub trait Reconciler<S>: Send + Sync + 'static {
     /// Reconciles `object`, whose key is `key` (the cache's own, so whatever keeps it shares
-    /// it) and whose bucket, as the API server's filter saw it, is `bucket`.
+    /// it), writing only through `gate`.
     fn reconcile(
         &self,
         key: &ObjectKey,
         object: Arc<S>,
-        bucket: Option<u16>,
+        gate: &dyn WriteGate,
     ) -> impl Future<Output = Result<Action>> + Send;
     /// The watch says the object is gone (deleted, or out of the slice): drop any state kept
     /// for it.
@@ -121,13 +122,16 @@ where
 
     /// Runs until `shutdown`, then drains; returns whether every in-flight reconcile finished.
     /// `primary` must be the stream that feeds `cache`.
-    pub async fn run<R: Reconciler<S>>(
+    /// Each reconcile writes through the gate `gatekeeper` gives it.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn run<R: Reconciler<S>, G: Gatekeeper>(
         self,
         primary: impl Stream<Item = Cached<S::Object>> + Send + 'static,
         children: Vec<BoxStream<'static, ChildEvent>>,
         slice: SliceWatch,
         child_versions: Arc<ChildVersions>,
         reconciler: Arc<R>,
+        gatekeeper: Arc<G>,
         shutdown: CancellationToken,
     ) -> bool {
         let child_kinds = children.len();
@@ -151,7 +155,8 @@ where
                     let listed = every_child_kind_listed(listed, child_kinds, bucket);
                     listed || !slice.borrow().as_ref().is_some_and(|owned| owned.contains(&bucket))
                 };
-                tokio::spawn(this.clone().work(reconciler.clone(), children_listed, shutdown.clone()))
+                let (reconciler, gatekeeper) = (reconciler.clone(), gatekeeper.clone());
+                tokio::spawn(this.clone().work(reconciler, gatekeeper, children_listed, shutdown.clone()))
             })
             .collect();
 
@@ -347,9 +352,10 @@ where
         }
     }
 
-    async fn work<R: Reconciler<S>>(
+    async fn work<R: Reconciler<S>, G: Gatekeeper>(
         self: Arc<Self>,
         reconciler: Arc<R>,
+        gatekeeper: Arc<G>,
         children_listed: impl Fn(Option<u16>, &BTreeMap<&'static str, Buckets>) -> bool,
         shutdown: CancellationToken,
     ) {
@@ -366,15 +372,19 @@ where
                 }
             }
             self.metrics.active_workers(1.0);
-            self.process(&key, reconciler.as_ref()).await;
+            self.process(&key, reconciler.as_ref(), gatekeeper.as_ref()).await;
             self.queue.done(&key);
             self.metrics.active_workers(-1.0);
         }
     }
 
-    async fn process<R: Reconciler<S>>(&self, key: &ObjectKey, reconciler: &R) {
+    async fn process<R: Reconciler<S>, G: Gatekeeper>(&self, key: &ObjectKey, reconciler: &R, gatekeeper: &G) {
         let Some(Entry { object, bucket }) = self.cache.entry(key) else {
             self.queue.forget(key);
+            return;
+        };
+        let Some(gate) = gatekeeper.admit(key, bucket) else {
+            self.finish(key, Ok(Action::Skip), Duration::ZERO);
             return;
         };
         let span = tracing::info_span!(
@@ -387,9 +397,12 @@ where
         let started = Instant::now();
         let timeout = self.settings.reconcile_timeout;
         let reconcile =
-            AssertUnwindSafe(reconciler.reconcile(key, object, bucket)).catch_unwind().instrument(span.clone());
+            AssertUnwindSafe(reconciler.reconcile(key, object, &gate)).catch_unwind().instrument(span.clone());
         let outcome = match tokio::time::timeout(timeout, reconcile).await {
-            Ok(Ok(outcome)) => outcome,
+            Ok(Ok(outcome)) => {
+                gatekeeper.finished(gate, &outcome);
+                outcome
+            }
             Ok(Err(panic)) => {
                 self.metrics.panicked();
                 Err(Error::panicked(panic.as_ref()))
@@ -399,6 +412,11 @@ where
         let took = started.elapsed();
         span.record("duration_ms", took.as_millis() as u64);
         let _entered = span.enter();
+        self.finish(key, outcome, took);
+    }
+
+    /// Schedules what comes after a reconcile of `key` that returned `outcome`, and counts it.
+    fn finish(&self, key: &ObjectKey, outcome: Result<Action>, took: Duration) {
         match outcome {
             Ok(action) => {
                 self.queue.forget(key);
@@ -414,7 +432,7 @@ where
                     self.queue.add_after(key.clone(), delay, Priority::Low);
                 }
                 self.metrics.reconciled(result, took, None);
-                span.record("result", result.label());
+                tracing::Span::current().record("result", result.label());
                 tracing::debug!("reconciled");
             }
             Err(error) if error.is_terminal() => {
@@ -423,13 +441,13 @@ where
                 self.queue.add_after(key.clone(), next, Priority::Low);
                 self.metrics.reconciled(ReconcileResult::Error, took, Some(error.kind()));
                 self.metrics.terminal_error();
-                span.record("result", error.kind());
+                tracing::Span::current().record("result", error.kind());
                 tracing::info!(%error, "not retrying until the spec changes");
             }
             Err(error) => {
                 let retry_in = self.queue.add_rate_limited(key.clone());
                 self.metrics.reconciled(ReconcileResult::Error, took, Some(error.kind()));
-                span.record("result", error.kind());
+                tracing::Span::current().record("result", error.kind());
                 tracing::warn!(%error, ?retry_in, "reconcile failed; retrying with backoff");
             }
         }

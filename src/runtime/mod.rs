@@ -1,7 +1,8 @@
 //! The controller runtime, in pipeline order: [`watch`] sources of the slice's [`parts`] feed
 //! a [`cache`] of compact copies ([`stored`]), which judges each event with the [`predicate`] and feeds the
-//! [`queue`]; the [`controller`]'s workers take keys from it and call a
-//! [`controller::Reconciler`]. Nothing here knows about traffic policies.
+//! [`queue`]; the [`controller`]'s workers take keys from it, ask a [`gate::Gatekeeper`] for
+//! the object's [`gate::WriteGate`] (sharding is one), and call a [`controller::Reconciler`]
+//! that writes through it. Nothing here knows about traffic policies.
 //!
 //! Why not kube-runtime's `Controller` (`for_stream`, `owns_stream`, `graceful_shutdown_on`)?
 //! Its watches and backoff are used here; its reflector store and controller are not. The
@@ -35,4 +36,5 @@ pub mod watch;
 pub mod watch_health;
 
 pub use controller::{Action, Controller, Listed, Reconciler, Settings};
+pub use gate::{Gatekeeper, WriteGate};
 pub use key::ObjectKey;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::runtime::gate::Unguarded;
 use crate::runtime::parts::Scope;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::ObjectMeta;
@@ -8,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 struct PanicsOnce(AtomicUsize);
 
 impl Reconciler<ConfigMap> for PanicsOnce {
-    async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>, _: Option<u16>) -> Result<Action> {
+    async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>, _: &dyn WriteGate) -> Result<Action> {
         if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
             panic!("a bug in the reconcile");
         }
@@ -22,7 +23,7 @@ impl Reconciler<ConfigMap> for PanicsOnce {
 struct Records(std::sync::Mutex<Vec<String>>);
 
 impl Reconciler<ConfigMap> for Records {
-    async fn reconcile(&self, key: &ObjectKey, object: Arc<ConfigMap>, _: Option<u16>) -> Result<Action> {
+    async fn reconcile(&self, key: &ObjectKey, object: Arc<ConfigMap>, _: &dyn WriteGate) -> Result<Action> {
         let uid = object.metadata.uid.clone().unwrap_or_default();
         self.0.lock().unwrap().push(format!("reconcile {key} {uid}"));
         Ok(Action::Done)
@@ -30,6 +31,10 @@ impl Reconciler<ConfigMap> for Records {
     fn forget(&self, key: &ObjectKey) {
         self.0.lock().unwrap().push(format!("forget {key}"));
     }
+}
+
+fn unguarded() -> Arc<Unguarded> {
+    Arc::new(Unguarded { write_bound: Duration::from_secs(5) })
 }
 
 fn config_map(uid: &str) -> ConfigMap {
@@ -83,7 +88,7 @@ fn start_with_children<R: Reconciler<ConfigMap>>(
     let shutdown = CancellationToken::new();
     let versions = Arc::new(ChildVersions::default());
     let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([0])));
-    let run = controller.run(primary, children, slice, versions, reconciler, shutdown.clone());
+    let run = controller.run(primary, children, slice, versions, reconciler, unguarded(), shutdown.clone());
     (tokio::spawn(run), shutdown, watch_health)
 }
 
