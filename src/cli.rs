@@ -170,19 +170,8 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
 
-    /// Test mode: make the reconcile of this `namespace/name` panic (fault injection).
-    #[arg(long, env = "TPO_TEST_PANIC_ON", hide = true)]
-    pub test_panic_on: Option<String>,
-
-    /// Test mode: make the reconcile of this `namespace/name` hang before it writes, until
-    /// the reconcile timeout drops it (fault injection: a stuck reconcile).
-    #[arg(long, env = "TPO_TEST_STALL_ON", hide = true)]
-    pub test_stall_on: Option<String>,
-
-    /// Test mode: make the follower task panic this long after start (fault injection: a
-    /// critical task dies while the process lives on).
-    #[arg(long, env = "TPO_TEST_FOLLOWER_PANICS_AFTER", hide = true, value_parser = humantime::parse_duration)]
-    pub test_follower_panics_after: Option<Duration>,
+    #[command(flatten)]
+    pub test_faults: crate::test_faults::TestFaults,
 }
 
 impl RunArgs {

@@ -23,3 +23,4 @@ pub mod reconcile;
 pub mod runtime;
 pub mod sharding;
 pub mod telemetry;
+pub mod test_faults;

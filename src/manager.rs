@@ -126,8 +126,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let (leader, stop) = (leader.clone(), stop_sharding.clone());
         async move { leader.run(stop).await }
     });
-    let follower_task =
-        tokio::spawn(panics_after(args.test_follower_panics_after, follower.run(stop_sharding.clone())));
+    let follower_task = tokio::spawn(args.test_faults.clone().follower(follower.run(stop_sharding.clone())));
 
     // The controller: watches of our slice only, filtered by the API server.
     let (cache, writer) = crate::runtime::cache::new();
@@ -174,8 +173,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let reporter = Reporter { controller: "traffic-policy-operator".into(), instance: Some(shard.identity.clone()) };
     let events = Events::new(client.clone(), reporter);
     let mut reconciler = TrafficPolicyReconciler::new(client.clone(), events, child_versions.clone());
-    reconciler.panic_on = args.test_panic_on.clone();
-    reconciler.stall_on = args.test_stall_on.clone();
+    reconciler.faults = args.test_faults.clone();
     reconciler.gateway_provider = args.gateway_provider;
     let reconciler = Arc::new(reconciler);
     let gatekeeper = Arc::new(Sharded::new(ownership.clone(), audit.clone()));
@@ -309,15 +307,6 @@ async fn report_policies(cache: Cache<CachedPolicy>) {
             tally[ready_state(policy.generation(), policy.ready())] += 1;
         }
         metrics::set_policies(&READY_STATES, &tally);
-    }
-}
-
-/// Test fault: `work`, or a panic once `after` has passed if it has not finished by then.
-async fn panics_after<T>(after: Option<Duration>, work: impl Future<Output = T>) -> T {
-    let Some(after) = after else { return work.await };
-    tokio::select! {
-        done = work => done,
-        _ = tokio::time::sleep(after) => panic!("test fault: the task panics after {after:?}"),
     }
 }
 

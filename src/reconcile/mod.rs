@@ -38,6 +38,7 @@ use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, ChildVersions, ContentStamp, content_hash};
 use crate::runtime::gate::{WriteGate, bounded, with_server_timeout};
 use crate::runtime::{Action, ObjectKey, Reconciler};
+use crate::test_faults::TestFaults;
 use status::Outcome;
 
 /// The field manager of every write we make.
@@ -67,19 +68,15 @@ pub struct TrafficPolicyReconciler {
     client: Client,
     events: Events,
     child_versions: Arc<ChildVersions>,
-    /// Test mode (`--test-panic-on`): the `namespace/name` whose reconcile panics, so the
-    /// tests can show that a panic is caught and retried on a real cluster.
-    pub panic_on: Option<String>,
-    /// Test mode (`--test-stall-on`): the `namespace/name` whose reconcile hangs before it
-    /// writes, so the tests can show that a stuck reconcile holds up no handoff.
-    pub stall_on: Option<String>,
+    /// What the tests make a reconcile do (nothing, without the `test-faults` feature).
+    pub faults: TestFaults,
     /// Which gateway provider writes the rate limits (`--gateway-provider`).
     pub gateway_provider: gateway::ProviderChoice,
 }
 
 impl TrafficPolicyReconciler {
     pub fn new(client: Client, events: Events, child_versions: Arc<ChildVersions>) -> Self {
-        Self { client, events, child_versions, panic_on: None, stall_on: None, gateway_provider: Default::default() }
+        Self { client, events, child_versions, faults: TestFaults::default(), gateway_provider: Default::default() }
     }
 
     /// Applies both children, side by side (neither depends on the other, and a reconcile
@@ -243,15 +240,7 @@ fn now() -> Time {
 
 impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
     async fn reconcile(&self, key: &ObjectKey, cached: Arc<CachedPolicy>, gate: &dyn WriteGate) -> Result<Action> {
-        // Only formatted when a test flag is set: this is every reconcile's path.
-        let targets = |flag: &Option<String>| flag.as_ref().is_some_and(|target| *target == key.to_string());
-        if targets(&self.panic_on) {
-            panic!("test fault: --test-panic-on {key}");
-        }
-        if targets(&self.stall_on) {
-            tracing::warn!("test fault: --test-stall-on {key}: hanging until the reconcile timeout");
-            std::future::pending::<()>().await;
-        }
+        self.faults.before_reconcile(key).await;
         // The policy in full for this reconcile only: the cache keeps it compact.
         let policy = cached.to_policy(key);
         let generation = policy.meta().generation.unwrap_or_default();
