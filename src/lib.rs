@@ -3,7 +3,8 @@
 //!
 //! The pipeline, one module per stage:
 //! - [`api`]: the custom resource types and their schema;
-//! - [`runtime`]: watch → compact cache → generation predicate → work queue → workers;
+//! - [`runtime`] (the `sharded-runtime` crate): watch → compact cache → generation predicate →
+//!   work queue → workers, each reconcile writing through a gate;
 //! - [`sharding`]: pure sharding decisions: buckets, the ring, membership, assignment;
 //! - [`coordination`]: the sharding protocol's side effects: leases, leader, ownership, handoff;
 //! - [`reconcile`]: the traffic-policy logic, desired objects from the spec (pure), then
@@ -17,10 +18,11 @@ pub mod api;
 pub mod cli;
 pub mod client;
 pub mod coordination;
-pub mod error;
 pub mod manager;
 pub mod reconcile;
-pub mod runtime;
 pub mod sharding;
 pub mod telemetry;
 pub mod test_faults;
+
+pub use sharded_runtime as runtime;
+pub use sharded_runtime::error;

@@ -145,12 +145,12 @@ struct RuntimeBytes {
 /// each event, as in the operator, so keys are counted in the store only.
 fn runtime_bytes(raw: &[Vec<u8>]) -> anyhow::Result<RuntimeBytes> {
     use std::time::Duration;
+    use traffic_policy_operator::runtime::metrics::QueueMetrics;
     use traffic_policy_operator::runtime::{
         backoff::Backoff,
         child_versions::ChildVersions,
         queue::{Priority, WorkQueue},
     };
-    use traffic_policy_operator::telemetry::metrics::QueueMetrics;
 
     let policies: Vec<ApplicationTrafficPolicy> =
         raw.iter().map(|bytes| serde_json::from_slice(bytes)).collect::<Result<_, _>>()?;

@@ -3,16 +3,13 @@
 //! `--health-probe-bind-address` and `--metrics-bind-address` split them: a NetworkPolicy
 //! or a TLS requirement for scrapers then leaves the kubelet's probes alone.
 //!
-//! Readiness is built from parts: each component that must have done its first real work
-//! (synced a watch, applied an assignment) is a named gate that it opens. `/readyz` is 200
-//! once every gate is open and the process is not shutting down; otherwise it names what
-//! it waits for. `/livez` fails once a critical task has ended.
+//! Readiness is built from parts ([`Health`]): `/readyz` is 200 once every gate is open and
+//! the process is not shutting down; otherwise it names what it waits for. `/livez` fails
+//! once a critical task has ended.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -28,61 +25,7 @@ use super::metrics_auth::MetricsAuth;
 /// How often the metrics certificate's files are checked for a change.
 const RELOAD_CHECK: Duration = Duration::from_secs(10);
 
-/// Readiness and liveness inputs, shared with every component.
-#[derive(Default)]
-pub struct Health {
-    waiting: Mutex<BTreeSet<&'static str>>,
-    shutting_down: AtomicBool,
-    failed: Mutex<Option<String>>,
-}
-
-impl Health {
-    /// Health that is ready once each of `gates` is opened with [`Health::ready`].
-    pub fn with_gates(gates: &[&'static str]) -> Arc<Self> {
-        Arc::new(Self { waiting: Mutex::new(gates.iter().copied().collect()), ..Default::default() })
-    }
-
-    pub fn ready(&self, gate: &'static str) {
-        self.set(gate, true);
-    }
-
-    /// Opens or closes `gate`: for a condition that can stop holding (a lapsed lease).
-    pub fn set(&self, gate: &'static str, ready: bool) {
-        let mut waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
-        if ready {
-            waiting.remove(gate);
-        } else {
-            waiting.insert(gate);
-        }
-    }
-
-    pub fn set_shutting_down(&self) {
-        self.shutting_down.store(true, Ordering::Relaxed);
-    }
-
-    /// A critical task ended: the process is no longer live.
-    pub fn fail(&self, what: String) {
-        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(what);
-    }
-
-    /// What readiness still waits for; empty when ready.
-    pub fn waiting_for(&self) -> Vec<&'static str> {
-        let mut waiting: Vec<&'static str> =
-            self.waiting.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
-        if self.shutting_down.load(Ordering::Relaxed) {
-            waiting.push("shutdown");
-        }
-        waiting
-    }
-
-    pub fn is_ready(&self) -> bool {
-        self.waiting_for().is_empty()
-    }
-
-    pub fn failure(&self) -> Option<String> {
-        self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
+pub use crate::runtime::health::Health;
 
 /// Where the admin servers listen, bound early so that a taken address fails the start
 /// with a clear error.

@@ -8,6 +8,8 @@
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
+
+pub use crate::runtime::metrics::count_watch_error;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// client-go's buckets for `rest_client_request_duration_seconds`.
@@ -37,6 +39,8 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .set_buckets_for_metric(Matcher::Full("rest_client_request_duration_seconds".into()), &REQUEST_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full("rest_client_rate_limiter_duration_seconds".into()), &REQUEST_BUCKETS)?
         .install_recorder()?;
+    // The runtime's cache and watch metrics, under the names dashboards and alerts know.
+    crate::runtime::metrics::set_prefix("traffic_policy");
     describe();
     set_build_info();
     Ok(handle)
@@ -54,12 +58,12 @@ pub async fn upkeep(handle: PrometheusHandle) {
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     PROCESS.describe();
+    crate::runtime::metrics::describe();
     describe_gauge!(
         "traffic_policy_client_rate_limit_qps",
         "Requests a second the work client may make (--kube-api-qps as resolved); 0 when off."
     );
     describe_gauge!("traffic_policy_shard_mode", "1 for the sharding mode in use: labels or shard-selector.");
-    describe_gauge!("workqueue_depth", "Current depth of the work queue, by lane (priority).");
     describe_counter!("rest_client_requests_total", "API requests, by method and status code.");
     describe_histogram!("rest_client_request_duration_seconds", "API request latency until the response headers.");
     describe_histogram!(
@@ -68,30 +72,7 @@ fn describe() {
     );
     describe_gauge!("traffic_policy_operator_build_info", "1, labelled with the operator's version.");
     describe_gauge!("traffic_policy_policies", "Policies of this replica's slice, by Ready status and reason.");
-    describe_counter!("traffic_policy_watch_errors_total", "Failed watches and lists, by resource (retried).");
-    describe_counter!(
-        "traffic_policy_listed_objects_total",
-        "Objects the API server sent in lists (initial lists, handoffs, relists), by resource."
-    );
     describe_counter!("traffic_policy_bucket_label_errors_total", "Failed bucket labellings (retried).");
-    describe_counter!(
-        "controller_runtime_terminal_reconcile_errors_total",
-        "Reconciles that failed in a way a retry cannot fix (the policy's status says why)."
-    );
-    describe_counter!("workqueue_adds_total", "Keys added to the work queue.");
-    describe_histogram!("workqueue_queue_duration_seconds", "Time a key waits in the queue before a worker takes it.");
-    describe_histogram!("workqueue_work_duration_seconds", "Time a worker spends on a key.");
-    describe_counter!("workqueue_retries_total", "Keys re-queued with backoff after an error.");
-    describe_gauge!("workqueue_unfinished_work_seconds", "Seconds of work in progress not yet finished.");
-    describe_gauge!("workqueue_longest_running_processor_seconds", "Seconds the longest running worker has been busy.");
-    describe_gauge!("workqueue_oldest_item_age_seconds", "Age of the oldest key waiting in the queue.");
-    describe_counter!("controller_runtime_reconcile_total", "Reconciles by result.");
-    describe_counter!("controller_runtime_reconcile_errors_total", "Reconciles that failed, by error kind.");
-    describe_histogram!("controller_runtime_reconcile_time_seconds", "Duration of a reconcile.");
-    describe_gauge!("controller_runtime_active_workers", "Workers busy with a reconcile.");
-    describe_gauge!("controller_runtime_max_concurrent_reconciles", "Configured worker count.");
-    describe_gauge!("traffic_policy_cached_objects", "Objects held in the operator's cache, by resource.");
-    describe_gauge!("traffic_policy_cache_synced", "1 when the watch of a resource has completed its initial list.");
     describe_gauge!(
         "traffic_policy_lease_held",
         "1 while a renewal cycle has confirmed this replica's right to write."
@@ -121,7 +102,6 @@ fn describe() {
         "traffic_policy_unowned_milliseconds_total",
         "Milliseconds during which some bucket had no live owner (leader)."
     );
-    describe_counter!("controller_runtime_reconcile_panics_total", "Reconciles that panicked (caught and retried).");
     describe_counter!("traffic_policy_bucket_labels_total", "Policies the leader labelled with their bucket.");
     describe_counter!(
         "traffic_policy_namespace_labels_total",
@@ -215,16 +195,6 @@ pub fn api_request(method: &str, status: Option<u16>, took: Duration) {
     histogram!("rest_client_request_duration_seconds", "verb" => method).record(took);
 }
 
-/// A watch or list of `resource` failed (it is retried with backoff).
-pub fn count_watch_error(resource: &str) {
-    counter!("traffic_policy_watch_errors_total", "resource" => resource.to_string()).increment(1);
-}
-
-/// A list brought one object of `resource`.
-pub fn count_listed(resource: &str) {
-    counter!("traffic_policy_listed_objects_total", "resource" => resource.to_string()).increment(1);
-}
-
 /// Labelling a policy (retried) or a namespace with its bucket failed.
 pub fn count_bucket_label_error() {
     counter!("traffic_policy_bucket_label_errors_total").increment(1);
@@ -249,147 +219,4 @@ pub fn count_bucket_label() {
 /// The leader labelled a namespace with its bucket (for the bucket-label admission policy).
 pub fn count_namespace_label() {
     counter!("traffic_policy_namespace_labels_total").increment(1);
-}
-
-/// Keys waiting, per lane: `workqueue_depth{priority="high"|"low"}`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QueueDepth {
-    pub high: usize,
-    pub low: usize,
-}
-
-impl QueueDepth {
-    /// The count of one lane: `high` or not.
-    pub fn lane(&mut self, high: bool) -> &mut usize {
-        if high { &mut self.high } else { &mut self.low }
-    }
-}
-
-/// The `workqueue_*` family for one queue.
-#[derive(Clone)]
-pub struct QueueMetrics {
-    name: &'static str,
-}
-
-impl QueueMetrics {
-    pub fn new(name: &'static str) -> Self {
-        Self { name }
-    }
-
-    pub fn added(&self, depth: QueueDepth) {
-        counter!("workqueue_adds_total", "name" => self.name, "controller" => self.name).increment(1);
-        self.set_depth(depth);
-    }
-
-    pub fn handed_out(&self, waited: Duration, depth: QueueDepth) {
-        histogram!("workqueue_queue_duration_seconds", "name" => self.name, "controller" => self.name).record(waited);
-        self.set_depth(depth);
-    }
-
-    pub fn work_done(&self, took: Duration) {
-        histogram!("workqueue_work_duration_seconds", "name" => self.name, "controller" => self.name).record(took);
-    }
-
-    pub fn retry(&self) {
-        counter!("workqueue_retries_total", "name" => self.name, "controller" => self.name).increment(1);
-    }
-
-    pub fn set_running(&self, running: &[Duration], depth: QueueDepth) {
-        let unfinished: f64 = running.iter().map(Duration::as_secs_f64).sum();
-        let longest = running.iter().max().copied().unwrap_or_default();
-        gauge!("workqueue_unfinished_work_seconds", "name" => self.name, "controller" => self.name).set(unfinished);
-        gauge!("workqueue_longest_running_processor_seconds", "name" => self.name, "controller" => self.name)
-            .set(longest.as_secs_f64());
-        self.set_depth(depth);
-    }
-
-    pub fn set_oldest_item_age(&self, age: Duration) {
-        gauge!("workqueue_oldest_item_age_seconds", "name" => self.name, "controller" => self.name)
-            .set(age.as_secs_f64());
-    }
-
-    /// Per lane: `high` holds changes and retries, `low` the initial list's backlog and
-    /// resyncs, so an alert on `high` does not fire on a restart's backlog.
-    pub fn set_depth(&self, depth: QueueDepth) {
-        for (priority, keys) in [("high", depth.high), ("low", depth.low)] {
-            gauge!("workqueue_depth", "name" => self.name, "controller" => self.name, "priority" => priority)
-                .set(keys as f64);
-        }
-    }
-}
-
-/// The `controller_runtime_*` family for one controller.
-#[derive(Clone)]
-pub struct ControllerMetrics {
-    name: &'static str,
-}
-
-/// How a reconcile ended, as controller-runtime labels it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReconcileResult {
-    Success,
-    Error,
-    RequeueAfter,
-    /// The object belongs to another replica's slice.
-    Skipped,
-}
-
-impl ReconcileResult {
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Success => "success",
-            Self::Error => "error",
-            Self::RequeueAfter => "requeue_after",
-            Self::Skipped => "skipped",
-        }
-    }
-}
-
-impl ControllerMetrics {
-    pub fn new(name: &'static str, workers: usize) -> Self {
-        gauge!("controller_runtime_max_concurrent_reconciles", "controller" => name).set(workers as f64);
-        gauge!("controller_runtime_active_workers", "controller" => name).set(0.0);
-        // Zero series exist from the start, so rate() and absent() behave.
-        for result in
-            [ReconcileResult::Success, ReconcileResult::Error, ReconcileResult::RequeueAfter, ReconcileResult::Skipped]
-        {
-            counter!("controller_runtime_reconcile_total", "controller" => name, "result" => result.label())
-                .absolute(0);
-        }
-        counter!("controller_runtime_reconcile_panics_total", "controller" => name).absolute(0);
-        counter!("controller_runtime_terminal_reconcile_errors_total", "controller" => name).absolute(0);
-        Self { name }
-    }
-
-    pub fn reconciled(&self, result: ReconcileResult, took: Duration, error_kind: Option<&'static str>) {
-        counter!("controller_runtime_reconcile_total", "controller" => self.name, "result" => result.label())
-            .increment(1);
-        histogram!("controller_runtime_reconcile_time_seconds", "controller" => self.name).record(took);
-        if let Some(kind) = error_kind {
-            counter!("controller_runtime_reconcile_errors_total", "controller" => self.name, "kind" => kind)
-                .increment(1);
-        }
-    }
-
-    /// A reconcile error that retries cannot fix (controller-runtime's `TerminalError`).
-    pub fn terminal_error(&self) {
-        counter!("controller_runtime_terminal_reconcile_errors_total", "controller" => self.name).increment(1);
-    }
-
-    pub fn panicked(&self) {
-        counter!("controller_runtime_reconcile_panics_total", "controller" => self.name).increment(1);
-    }
-
-    pub fn active_workers(&self, delta: f64) {
-        gauge!("controller_runtime_active_workers", "controller" => self.name).increment(delta);
-    }
-}
-
-/// Cache gauges, labelled by resource (a fixed set).
-pub fn set_cached_objects(resource: &'static str, count: usize) {
-    gauge!("traffic_policy_cached_objects", "resource" => resource).set(count as f64);
-}
-
-pub fn set_cache_synced(resource: &'static str, synced: bool) {
-    gauge!("traffic_policy_cache_synced", "resource" => resource).set(if synced { 1.0 } else { 0.0 });
 }

@@ -1,13 +1,12 @@
 //! The primary resource's cache: objects by [`ObjectKey`], filled from watch events.
 //!
 //! kube-runtime's reflector store does the same, but keys each object by an `ObjectRef`
-//! that copies its name, namespace, resourceVersion and uid: about 170 bytes a policy.
+//! that copies its name, namespace, resourceVersion and uid: about 170 bytes an object.
 //! Here the key is the queue's, and it is handed on with each event, so the queue and the
 //! child versions hold the cache's own allocation rather than copies.
 //!
 //! Objects are kept in the form their [`Stored`] type gives them: the object itself by
-//! default, or a compact copy of what the reconcile reads (the policy's, in
-//! `reconcile::cached`). Each is kept with its bucket, as the API server's filter saw it
+//! default, or a compact copy of what the reconcile reads. Each is kept with its bucket, as the API server's filter saw it
 //! when it came.
 //!
 //! The cache is also the generation predicate's memory: each event's object is compared with
@@ -177,7 +176,7 @@ impl<S: Stored> CacheWriter<S> {
             watcher::Event::Delete(object) => {
                 let key = ObjectKey::of(object);
                 let mut objects = self.cache.write();
-                // A part lets go only of what it holds: a policy relabelled into another part's
+                // A part lets go only of what it holds: an object relabelled into another part's
                 // bucket may come from that part's watch before this one says it left.
                 let removed = match objects.get(&key) {
                     Some(entry) if scope.holds(entry.bucket) => objects.remove_entry(&key),
@@ -306,11 +305,8 @@ mod tests {
     fn a_part_replaces_only_its_scope_and_a_dropped_scope_is_let_go() {
         use std::collections::BTreeSet;
         let in_bucket = |ns: &str| if ns == "a" { 1 } else { 2 };
-        let slicing = crate::runtime::parts::Slicing::new(
-            move |meta| meta.namespace.as_deref().map(in_bucket),
-            in_bucket,
-            |_| None,
-        );
+        let slicing =
+            crate::parts::Slicing::new(move |meta| meta.namespace.as_deref().map(in_bucket), in_bucket, |_| None);
         let scope = |bucket: u16| slicing.scope(Arc::new(BTreeSet::from([bucket])));
         let (a, b) = (scope(1), scope(2));
         let in_ns = |ns: &str, name: &str| {
@@ -333,7 +329,7 @@ mod tests {
         let gone = writer.apply(1, &b, &watcher::Event::InitDone).gone;
         assert_eq!(gone, [ObjectKey::new("b", "y")]);
         assert_eq!(cache.len(), 3);
-        // A deletion from part 1 of an object of part 0's bucket (a policy relabelled into
+        // A deletion from part 1 of an object of part 0's bucket (an object relabelled into
         // it, whose old part's watch says it left after the new one brought it): it stays.
         writer.apply(0, &a, &watcher::Event::Apply(in_ns("a", "moved")));
         writer.apply(1, &b, &watcher::Event::Delete(in_ns("a", "moved")));

@@ -44,8 +44,8 @@ pub trait WriteGate: Send + Sync {
 }
 
 /// Who may write, asked by the controller before each reconcile: the gate it gives is the
-/// one the reconcile writes through. Sharding is one ([`crate::coordination::sharded`]);
-/// [`Unguarded`] lets every write through.
+/// one the reconcile writes through. Sharding is one (it lets a reconcile write while its
+/// object's bucket is this process's); [`Unguarded`] lets every write through.
 pub trait Gatekeeper: Send + Sync + 'static {
     type Gate<'a>: WriteGate
     where

@@ -1,6 +1,6 @@
 //! The work-queue key: a namespaced object's namespace and name.
 //!
-//! The cache, the queue and the child versions each hold a key per policy, so
+//! The cache, the queue and the child versions each hold a key per object, so
 //! a key is small: `namespace/name` in one shared allocation, whose clones cost a reference
 //! count.
 
@@ -82,6 +82,6 @@ mod tests {
         assert!(ObjectKey::new("a", "y") < ObjectKey::new("a-b", "x"));
         assert_eq!(ObjectKey::new("a", "b-c"), ObjectKey::new("a", "b-c"));
         assert_ne!(ObjectKey::new("a-b", "c"), ObjectKey::new("a", "b-c"));
-        assert_eq!(size_of::<ObjectKey>(), 16, "held once per policy by four structures");
+        assert_eq!(size_of::<ObjectKey>(), 16, "held once per object by four structures");
     }
 }

@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::backoff::Backoff;
-use crate::telemetry::metrics::{QueueDepth, QueueMetrics};
+use crate::metrics::{QueueDepth, QueueMetrics};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Priority {

@@ -41,8 +41,8 @@ use super::stored::Stored;
 use super::watch::{Cached, ChildEvent};
 use super::watch_health::WatchHealth;
 use crate::error::{Error, Result};
-use crate::telemetry::admin::Health;
-use crate::telemetry::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
+use crate::health::Health;
+use crate::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
 
 /// What to do after a successful reconcile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //!
 //! It lets the child watch drop the echo of our own writes (and events already seen),
 //! and lets the reconcile tell a repair (someone else changed or deleted the child) from
-//! an update (the policy changed). Children share their owner's key, so an entry is
+//! an update (the owner changed). Children share their owner's key, so an entry is
 //! dropped with its owner.
 //!
 //! It also knows what each child holds (a hash of the content we wrote, stamped on the child

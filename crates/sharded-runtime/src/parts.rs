@@ -25,7 +25,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
 use super::watch_health::{Probe, WatchHealth};
-use crate::telemetry::metrics;
+use crate::metrics;
 
 /// How a watch asks the API server for this replica's slice.
 #[derive(Clone, Debug, PartialEq, Eq)]

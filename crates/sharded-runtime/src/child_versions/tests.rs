@@ -6,14 +6,14 @@ use super::*;
 fn classifies_writes_and_filters_echoes() {
     let v = ChildVersions::default();
     let k = ObjectKey::new("ns", "a");
-    assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1), 1), ApplyEffect::Applied);
-    assert!(!v.observe("NetworkPolicy", &k, Some("10"), None), "echo of our own write");
-    assert_eq!(v.written("NetworkPolicy", &k, "10", Some(1), 1), ApplyEffect::Unchanged);
-    assert!(v.observe("NetworkPolicy", &k, Some("11"), None), "someone else edited it");
-    assert_eq!(v.written("NetworkPolicy", &k, "12", Some(1), 1), ApplyEffect::Repaired);
-    assert!(v.observe("NetworkPolicy", &k, None, None), "deleted");
-    assert_eq!(v.written("NetworkPolicy", &k, "13", Some(1), 1), ApplyEffect::Repaired);
-    assert_eq!(v.written("NetworkPolicy", &k, "14", Some(2), 2), ApplyEffect::Updated);
+    assert_eq!(v.written("Secret", &k, "10", Some(1), 1), ApplyEffect::Applied);
+    assert!(!v.observe("Secret", &k, Some("10"), None), "echo of our own write");
+    assert_eq!(v.written("Secret", &k, "10", Some(1), 1), ApplyEffect::Unchanged);
+    assert!(v.observe("Secret", &k, Some("11"), None), "someone else edited it");
+    assert_eq!(v.written("Secret", &k, "12", Some(1), 1), ApplyEffect::Repaired);
+    assert!(v.observe("Secret", &k, None, None), "deleted");
+    assert_eq!(v.written("Secret", &k, "13", Some(1), 1), ApplyEffect::Repaired);
+    assert_eq!(v.written("Secret", &k, "14", Some(2), 2), ApplyEffect::Updated);
     v.forget_owner(&k);
     assert!(v.is_empty());
 }
@@ -104,7 +104,7 @@ fn echoes_arriving_before_the_write_returns_are_recognised() {
 fn a_write_that_ends_after_its_owner_was_forgotten_brings_nothing_back() {
     let v = ChildVersions::default();
     let k = ObjectKey::new("ns", "a");
-    // The policy is deleted, or leaves the slice, while its children are being written.
+    // The owner is deleted, or leaves the slice, while its children are being written.
     let write = v.begin_write(&k);
     v.forget_owner(&k);
     assert!(!v.observe("ConfigMap", &k, Some("5"), Some(1)), "held while writing");
@@ -116,10 +116,10 @@ fn a_write_that_ends_after_its_owner_was_forgotten_brings_nothing_back() {
     let write = v.begin_write(&k);
     v.forget_kind_where("ConfigMap", |_| true);
     v.written("ConfigMap", &k, "6", Some(1), 1);
-    v.written("NetworkPolicy", &k, "7", Some(1), 2);
+    v.written("Secret", &k, "7", Some(1), 2);
     assert!(!write.finish());
     assert!(!v.holds("ConfigMap", &k, 1), "forgotten");
-    assert!(v.holds("NetworkPolicy", &k, 2), "that kind's watch still covers the owner");
+    assert!(v.holds("Secret", &k, 2), "that kind's watch still covers the owner");
 }
 
 #[test]
@@ -159,13 +159,13 @@ fn a_dropped_scope_forgets_its_kind_and_empty_entries() {
     let versions = ChildVersions::default();
     let (kept, dropped) = (ObjectKey::new("kept", "p"), ObjectKey::new("dropped", "p"));
     for owner in [&kept, &dropped] {
-        versions.observe("NetworkPolicy", owner, Some("1"), Some(7));
+        versions.observe("Secret", owner, Some("1"), Some(7));
         versions.observe("ConfigMap", owner, Some("1"), Some(8));
     }
     let in_dropped = |owner: &ObjectKey| owner.namespace() == "dropped";
-    versions.forget_kind_where("NetworkPolicy", in_dropped);
-    assert!(versions.holds("NetworkPolicy", &kept, 7));
-    assert!(!versions.holds("NetworkPolicy", &dropped, 7));
+    versions.forget_kind_where("Secret", in_dropped);
+    assert!(versions.holds("Secret", &kept, 7));
+    assert!(!versions.holds("Secret", &dropped, 7));
     assert!(versions.holds("ConfigMap", &dropped, 8), "the other kind's watch has not dropped it yet");
     versions.forget_kind_where("ConfigMap", in_dropped);
     assert_eq!(versions.lock().known.len(), 1, "nothing is left of the dropped owner");

@@ -1,6 +1,6 @@
 use super::*;
-use crate::runtime::gate::Unguarded;
-use crate::runtime::parts::Scope;
+use crate::gate::Unguarded;
+use crate::parts::Scope;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::ObjectMeta;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -65,7 +65,7 @@ fn start_with_children<R: Reconciler<ConfigMap>>(
     children: Vec<BoxStream<'static, ChildEvent>>,
     reconciler: Arc<R>,
 ) -> (tokio::task::JoinHandle<bool>, CancellationToken, Arc<WatchHealth>) {
-    let (cache, mut writer) = crate::runtime::cache::new::<ConfigMap>();
+    let (cache, mut writer) = crate::cache::new::<ConfigMap>();
     let scope = Scope::everything();
     let primary = futures::stream::iter(events)
         .map(move |event| {
@@ -116,7 +116,7 @@ async fn a_panicking_reconcile_is_caught_and_its_key_retried() {
     assert!(run.await.unwrap(), "drained: no worker died with the panic");
 }
 
-/// A policy deleted and created again under its name while the watch was down: what was
+/// An object deleted and created again under its name while the watch was down: what was
 /// kept for the old one (its children's versions, the generation it reported) is dropped
 /// before the new one is reconciled, whether a relist or a watch event brings it.
 #[tokio::test(start_paused = true)]
@@ -146,7 +146,7 @@ async fn a_new_uid_under_a_known_name_forgets_the_old_object_first() {
 #[tokio::test(start_paused = true)]
 async fn a_child_watch_that_never_lists_misses_the_list_deadline() {
     let events = vec![watcher::Event::Init, watcher::Event::InitApply(config_map("u1")), watcher::Event::InitDone];
-    let listing = ChildEvent::Listing { kind: "NetworkPolicy", part: 0, scope: Scope::everything() };
+    let listing = ChildEvent::Listing { kind: "Secret", part: 0, scope: Scope::everything() };
     let children = vec![futures::stream::iter([listing]).chain(futures::stream::pending()).boxed()];
     let reconciler = Arc::new(Records::default());
     let started = Instant::now();

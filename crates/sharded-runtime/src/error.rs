@@ -14,7 +14,7 @@ pub enum Error {
     /// takes over, so there is nothing to retry here.
     #[error("ownership of the object's bucket was lost")]
     LostOwnership,
-    /// The fencing policy refused a write: a newer owner of the bucket has written since.
+    /// The API server refused a write as fenced: a newer owner of the bucket has written since.
     /// Carries what was refused and the server's message.
     #[error("the write was fenced: {0}")]
     Fenced(String),

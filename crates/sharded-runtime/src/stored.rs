@@ -1,6 +1,5 @@
 //! The form an object takes in the cache: by default the object itself, trimmed of what no
-//! reconcile reads; or a compact copy of what its reconcile reads (the policy's, in
-//! `reconcile::cached`).
+//! reconcile reads; or a compact copy of what its reconcile reads.
 
 use kube::Resource;
 

@@ -133,11 +133,11 @@ mod tests {
     async fn refusals_in_a_row_break_a_watch_until_a_list_succeeds() {
         let health = WatchHealth::default();
         let works = Arc::new(AtomicBool::new(false));
-        health.failed("NetworkPolicy", &answer(403), probe(works.clone()));
+        health.failed("Secret", &answer(403), probe(works.clone()));
         assert_eq!(health.broken(), None, "one refusal is not enough");
-        health.failed("NetworkPolicy", &answer(403), probe(works.clone()));
+        health.failed("Secret", &answer(403), probe(works.clone()));
         let reason = health.broken().expect("broken after two");
-        assert!(reason.contains("NetworkPolicy") && reason.contains("403"), "{reason}");
+        assert!(reason.contains("Secret") && reason.contains("403"), "{reason}");
 
         health.probe().await;
         assert!(health.broken().is_some(), "the probe is refused too");
