@@ -5,7 +5,8 @@
 //! - [`api`]: the custom resource types and their schema;
 //! - [`runtime`] (the `sharded-runtime` crate): watch → compact cache → generation predicate →
 //!   work queue → workers, each reconcile writing through a gate;
-//! - [`sharding`]: pure sharding decisions: buckets, the ring, membership, assignment;
+//! - [`sharding`] (the `sharding` crate): pure sharding decisions: buckets, the ring,
+//!   membership, assignment;
 //! - [`coordination`]: the sharding protocol's side effects: leases, leader, ownership, handoff;
 //! - [`reconcile`]: the traffic-policy logic, desired objects from the spec (pure), then
 //!   apply, status and events;
@@ -20,9 +21,9 @@ pub mod client;
 pub mod coordination;
 pub mod manager;
 pub mod reconcile;
-pub mod sharding;
 pub mod telemetry;
 pub mod test_faults;
 
 pub use sharded_runtime as runtime;
 pub use sharded_runtime::error;
+pub use sharding;

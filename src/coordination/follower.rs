@@ -43,7 +43,7 @@ pub struct Follower {
 /// What our watches ask the API server for, to see `owned`.
 pub fn slice_selector(mode: Mode, owned: &BTreeSet<Bucket>) -> Option<SliceSelector> {
     match mode {
-        Mode::Labels => bucket::selector(owned).map(SliceSelector::Labels),
+        Mode::Labels => bucket::selector(super::BUCKET_LABEL, owned).map(SliceSelector::Labels),
         Mode::ShardSelector => shard_range::selector(owned).map(SliceSelector::Shards),
     }
 }

@@ -21,9 +21,10 @@ use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 use tokio_util::time::DelayQueue;
 
+use super::{BACKLOG_ANNOTATION, BUCKET_LABEL};
 use crate::api::ApplicationTrafficPolicy;
 use crate::runtime::backoff::Backoff;
-use crate::sharding::bucket::{BACKLOG_ANNOTATION, BUCKET_LABEL, bucket_of, label_value};
+use crate::sharding::bucket::{bucket_of, label_value};
 use crate::telemetry::metrics as m;
 
 type Key = (String, String);

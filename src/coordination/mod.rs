@@ -35,6 +35,13 @@ use std::time::Duration;
 
 use crate::sharding::balance::Balance;
 
+/// In label mode: the label holding an object's bucket (see `sharding::bucket`).
+pub const BUCKET_LABEL: &str = "trafficpolicy.dev/bucket";
+/// Set by the leader, with the bucket label, on a policy it labels from its backlog (the list
+/// of unlabelled policies, as after a preload) rather than from a watch event: nobody waits
+/// on it, so the replica that sees it appear queues it behind real changes.
+pub const BACKLOG_ANNOTATION: &str = "trafficpolicy.dev/labelled-from-backlog";
+
 /// Names of the coordination objects in the operator's namespace.
 pub const MEMBER_LEASE_PREFIX: &str = "traffic-policy-operator-member-";
 pub const LEADER_LEASE: &str = "traffic-policy-operator-leader";

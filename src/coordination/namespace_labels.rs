@@ -21,8 +21,9 @@ use kube::{Client, ResourceExt};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use super::BUCKET_LABEL;
 use super::labeller::Retries;
-use crate::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
+use crate::sharding::bucket::{bucket_of, label_value};
 use crate::telemetry::metrics as m;
 
 /// Namespaces labelled at once: after the first list, a cluster may have thousands to label,

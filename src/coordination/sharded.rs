@@ -14,11 +14,12 @@ use kube::api::ObjectMeta;
 use kube::core::Status;
 use tokio::time::Instant;
 
+use super::BUCKET_LABEL;
 use super::ownership::{InFlight, Ownership};
 use crate::error::{Error, Result};
 use crate::runtime::gate::{Gatekeeper, Permit, WriteGate};
 use crate::runtime::{Action, ObjectKey};
-use crate::sharding::bucket::{self, BUCKET_LABEL, Bucket, Mode};
+use crate::sharding::bucket::{self, Bucket, Mode};
 use crate::telemetry::audit::Audit;
 
 /// On every object the operator writes: the writer's fencing token. The fencing policy in

@@ -17,7 +17,8 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
-use traffic_policy_operator::sharding::bucket::{BUCKET_LABEL, bucket_of, label_value};
+use traffic_policy_operator::coordination::BUCKET_LABEL;
+use traffic_policy_operator::sharding::bucket::{bucket_of, label_value};
 
 const ALERT: &str = "TrafficPolicyWorkQueueDepthHigh";
 /// The same rule on the low lane: it shows that the backlog was deep enough to fire the

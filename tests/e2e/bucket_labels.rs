@@ -10,8 +10,9 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
+use traffic_policy_operator::coordination::BUCKET_LABEL;
 use traffic_policy_operator::runtime::backoff::Backoff;
-use traffic_policy_operator::sharding::bucket::{BUCKET_LABEL, BUCKETS, bucket_of, label_value};
+use traffic_policy_operator::sharding::bucket::{BUCKETS, bucket_of, label_value};
 
 use crate::lifecycle::policy;
 use crate::support::{TestEnv, eventually};

@@ -9,7 +9,8 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::ResourceExt;
 use kube::api::PostParams;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
-use traffic_policy_operator::sharding::bucket::{BUCKET_LABEL, Mode};
+use traffic_policy_operator::coordination::BUCKET_LABEL;
+use traffic_policy_operator::sharding::bucket::Mode;
 
 use crate::lifecycle::policy;
 use crate::support::{Operator, TestEnv, expected_mode};

@@ -7,7 +7,8 @@ use kube::ResourceExt;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
-use traffic_policy_operator::sharding::bucket::{BACKLOG_ANNOTATION, BUCKET_LABEL, Mode};
+use traffic_policy_operator::coordination::{BACKLOG_ANNOTATION, BUCKET_LABEL};
+use traffic_policy_operator::sharding::bucket::Mode;
 
 use crate::lifecycle::policy;
 use crate::support::{TestEnv, eventually, expected_mode};

@@ -310,7 +310,7 @@ async fn a_policy_deleted_and_created_again_while_the_watch_is_down_is_reconcile
     // (The shard-selected watch sees it at once anyway.)
     if expected_mode() == Mode::Labels {
         let bucket = bucket::label_value(bucket::bucket_of(&namespace));
-        again.labels_mut().insert(bucket::BUCKET_LABEL.into(), bucket);
+        again.labels_mut().insert(traffic_policy_operator::coordination::BUCKET_LABEL.into(), bucket);
     }
     let created = policies.create(&PostParams::default(), &again).await.unwrap();
     assert_ne!(created.uid(), Some(old_uid.clone()));

@@ -287,7 +287,7 @@ mod tests {
 
     #[test]
     fn incarnations_name_their_pod() {
-        assert_eq!(pod_of(&incarnation("traffic-policy-operator-0", "3f9a")), "traffic-policy-operator-0");
+        assert_eq!(pod_of(&incarnation("my-controller-0", "3f9a")), "my-controller-0");
         assert_eq!(pod_of("no-nonce"), "no-nonce");
     }
 

@@ -1,8 +1,8 @@
 //! Balancing slices by objects, not only by buckets.
 //!
 //! Namespaces differ in size by orders of magnitude, so equal bucket counts can leave one
-//! replica with far more policies than another. So each replica reports, on its member
-//! Lease, how many policies it holds per bucket ([`Report`]); the leader publishes per-bucket
+//! replica with far more objects than another. So each replica reports, on its member
+//! Lease, how many objects it holds per bucket ([`Report`]); the leader publishes per-bucket
 //! object counts in the assignment, and the ring bounds each member's load by them
 //! (`Ring::assign_weighted`). Pure: reports and the assignment are arguments.
 //!
@@ -10,7 +10,7 @@
 //! counts change only when
 //! - the assignment is settled (nothing draining or free) and every owner has reported
 //!   counts for it: a report of an older generation lacks what is still being listed;
-//! - the total has held still ([`Steadiness`]): while policies are created in bulk, reports
+//! - the total has held still ([`Steadiness`]): while objects are created in bulk, reports
 //!   counted seconds apart disagree by thousands, and balancing by them would chase noise;
 //! - the largest replica holds more than the mean by a margin: the larger of
 //!   [`Balance::tolerance`] × the mean and [`Balance::min_excess`];
@@ -48,7 +48,7 @@ impl Default for Balance {
 /// intervals, so that every replica has counted at least once meanwhile.
 pub const STEADY_FOR: Duration = Duration::from_secs(10);
 
-/// Whether the observed total of policies has held within 1 % for [`STEADY_FOR`].
+/// Whether the observed total of objects has held within 1 % for [`STEADY_FOR`].
 #[derive(Debug, Default)]
 pub struct Steadiness {
     /// The total it is held against, and since when.
@@ -137,15 +137,15 @@ pub fn oversized(counts: &Counts, members: usize) -> Vec<(Bucket, u32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sharding::assignment::plan;
-    use crate::sharding::assignment::tests::{always, never, set};
+    use crate::assignment::plan;
+    use crate::assignment::tests::{always, never, set};
 
     /// Zipf-sized namespaces (s = 1): the i-th largest holds total / (i × H(n)).
     fn zipf_counts(namespaces: usize, total: f64) -> Counts {
         let harmonic: f64 = (1..=namespaces).map(|i| 1.0 / i as f64).sum();
         let mut counts = Counts::new();
         for i in 1..=namespaces {
-            let bucket = crate::sharding::bucket::bucket_of(&format!("load-{i}-ns"));
+            let bucket = crate::bucket::bucket_of(&format!("load-{i}-ns"));
             *counts.entry(bucket).or_default() += (total / (i as f64 * harmonic)).round() as u32;
         }
         counts

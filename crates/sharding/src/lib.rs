@@ -1,5 +1,5 @@
 //! Sharding decisions, pure and clock-free (`now` is passed in), tested without a cluster:
-//! - [`bucket`]: namespace → bucket in either mode, and the label and selectors that carry it;
+//! - [`bucket`]: namespace → bucket in either mode, and the label selector of a set of them;
 //! - [`shard_range`]: buckets as hash ranges for the API server's shard selector;
 //! - [`ring`]: buckets → members by consistent hashing with bounded loads;
 //! - [`counts`]: objects per bucket, as replicas report them and the ring weighs them;
@@ -10,8 +10,9 @@
 //!   safe transitions (revoke before reassign);
 //! - [`slice`]: what this replica may write right now, and when it may say it let go.
 //!
-//! The side effects of the protocol (leases, the leader, applying an assignment) live in
-//! `coordination`.
+//! The side effects of the protocol (leases, the leader, applying an assignment) are the
+//! program's: traffic-policy-operator's `coordination` module runs them. Nothing here names
+//! a Kubernetes object, label or annotation.
 
 pub mod assignment;
 pub mod balance;

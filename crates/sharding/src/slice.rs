@@ -190,7 +190,7 @@ impl Slice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sharding::assignment::Slot;
+    use crate::assignment::Slot;
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 

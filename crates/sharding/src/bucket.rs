@@ -2,9 +2,8 @@
 //!
 //! Two modes, one per fleet (the assignment says which):
 //! - **labels**: the bucket is `xxh3_64(namespace) mod BUCKETS`. It is written as a label on
-//!   every policy (by the API server at admission, from the namespace's label, or else by the
-//!   leader) and on every child (by the reconcile), so that each
-//!   replica's watches ask the API server for its own buckets only. `xxh3` is specified and
+//!   every object (the program chooses the label's name), so that each replica's watches ask
+//!   the API server for its own buckets only. `xxh3` is specified and
 //!   stable across Rust releases, unlike std's `DefaultHasher`.
 //! - **shard selector**: the bucket is the top bits of the API server's own namespace hash
 //!   (64-bit FNV-1a), so each bucket is a range of it, and watches ask for the ranges (see
@@ -17,15 +16,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// The number of buckets. Enough for tight balance with up to a few dozen replicas; few
 /// enough that one replica's label selector stays a few kilobytes.
-/// Set by the leader, with the bucket label, on a policy it labels from its backlog (the list
-/// of unlabelled policies, as after a preload) rather than from a watch event: nobody waits
-/// on it, so the replica that sees it appear queues it behind real changes.
-pub const BACKLOG_ANNOTATION: &str = "trafficpolicy.dev/labelled-from-backlog";
-
 pub const BUCKETS: u16 = 1024;
-
-/// The label holding an object's bucket.
-pub const BUCKET_LABEL: &str = "trafficpolicy.dev/bucket";
 
 pub type Bucket = u16;
 
@@ -89,17 +80,17 @@ pub fn parse_label(value: &str) -> Option<Bucket> {
     value.parse::<Bucket>().ok().filter(|b| *b < BUCKETS)
 }
 
-/// A label selector matching exactly `buckets`; `None` when the set is empty (nothing
+/// A selector of `label` matching exactly `buckets`; `None` when the set is empty (nothing
 /// to watch). Owning every bucket is written as the label's existence, a short selector.
-pub fn selector(buckets: &std::collections::BTreeSet<Bucket>) -> Option<String> {
+pub fn selector(label: &str, buckets: &std::collections::BTreeSet<Bucket>) -> Option<String> {
     if buckets.is_empty() {
         return None;
     }
     if buckets.len() == usize::from(BUCKETS) {
-        return Some(BUCKET_LABEL.to_string());
+        return Some(label.to_string());
     }
     let values: Vec<String> = buckets.iter().map(|b| b.to_string()).collect();
-    Some(format!("{BUCKET_LABEL} in ({})", values.join(",")))
+    Some(format!("{label} in ({})", values.join(",")))
 }
 
 /// A compact form for logs: `0-5,9,12-20`.
@@ -196,8 +187,8 @@ mod tests {
 
     #[test]
     fn selectors() {
-        assert_eq!(selector(&BTreeSet::new()), None);
-        assert_eq!(selector(&BTreeSet::from([3, 1])).unwrap(), "trafficpolicy.dev/bucket in (1,3)");
-        assert_eq!(selector(&(0..BUCKETS).collect()).unwrap(), "trafficpolicy.dev/bucket");
+        assert_eq!(selector("example.com/bucket", &BTreeSet::new()), None);
+        assert_eq!(selector("example.com/bucket", &BTreeSet::from([3, 1])).unwrap(), "example.com/bucket in (1,3)");
+        assert_eq!(selector("example.com/bucket", &(0..BUCKETS).collect()).unwrap(), "example.com/bucket");
     }
 }

@@ -5,7 +5,7 @@
 //! In this mode a namespace's bucket is the top 10 bits of that hash (see `bucket`), so every
 //! bucket is one contiguous range, `[b << 54, (b + 1) << 54)`, and a slice is the union of its buckets'
 //! ranges with adjacent ones merged. The server computes the same hash, so no label is
-//! needed: a new policy is in its owner's watch the moment it is created.
+//! needed: a new object is in its owner's watch the moment it is created.
 
 use std::collections::BTreeSet;
 
