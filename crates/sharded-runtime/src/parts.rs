@@ -211,6 +211,9 @@ where
         next_id: 0,
         pending: VecDeque::new(),
     };
+    // A slice already known when the watch starts is watched at once.
+    let mut slice = slice;
+    slice.mark_changed();
     futures::stream::unfold((parts, slice), |(mut parts, mut slice)| async move {
         loop {
             if let Some(event) = parts.pending.pop_front() {
@@ -455,6 +458,14 @@ mod tests {
         // Losing a part's last bucket closes its watch.
         slice_tx.send_replace(Some(Buckets::from([2, 4])));
         assert_eq!(until_listed(&mut events).await, ["dropped {3}", "closed 1", "2: ns-4", "2: listed {4}"]);
+    }
+
+    #[tokio::test]
+    async fn a_slice_known_before_the_watch_starts_is_watched() {
+        let opened = Arc::new(Mutex::new(Vec::new()));
+        let (_slice_tx, slice) = tokio::sync::watch::channel(Some(Buckets::from([5])));
+        let mut events = sliced(slice, slicing(), lister(opened.clone()), watched());
+        assert_eq!(until_listed(&mut events).await, ["0: ns-5", "0: listed {5}"]);
     }
 
     #[tokio::test]
