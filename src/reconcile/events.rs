@@ -121,7 +121,7 @@ pub fn after_apply(effects: &[(&str, ApplyEffect)], generation: i64, already_rep
         effects.iter().filter(|(_, e)| wanted.contains(e)).map(|(k, _)| *k).collect()
     };
     let repaired = kinds(&[ApplyEffect::Repaired]);
-    let written = kinds(&[ApplyEffect::Applied, ApplyEffect::Updated]);
+    let written = kinds(&[ApplyEffect::FirstWrite, ApplyEffect::Updated]);
     let repaired = (!repaired.is_empty()).then(|| Report {
         occurrence: Occurrence::Repeating(EventType::Normal),
         reason: "Repaired",

@@ -54,12 +54,12 @@ pub const CONTENT_STAMP: ContentStamp = ContentStamp { annotation: CONTENT_ANNOT
 /// only this lets serde skip the rest of the object unparsed, its managedFields above all,
 /// which the answer repeats in full (the status and event answers are skipped whole).
 #[derive(Deserialize)]
-struct Applied {
-    metadata: AppliedMetadata,
+struct ApplyAnswer {
+    metadata: AnswerMetadata,
 }
 
 #[derive(Deserialize)]
-struct AppliedMetadata {
+struct AnswerMetadata {
     #[serde(rename = "resourceVersion", default)]
     resource_version: String,
 }
@@ -143,7 +143,7 @@ impl TrafficPolicyReconciler {
             .patch(&child.name_any(), &params, &Patch::Apply(&child))
             .map_err(kube::Error::BuildRequest)?;
         let request = with_server_timeout(request, gate.write_bound());
-        let applied: Applied = bounded(gate, &permit, self.client.request(request)).await.map_err(|e| match e {
+        let answer: ApplyAnswer = bounded(gate, &permit, self.client.request(request)).await.map_err(|e| match e {
             Error::Fenced(refusal) => {
                 Error::Fenced(format!("{kind} {}/{}: {refusal}", key.namespace(), child.name_any()))
             }
@@ -154,7 +154,7 @@ impl TrafficPolicyReconciler {
             }
             other => other,
         })?;
-        Ok(applied.metadata.resource_version)
+        Ok(answer.metadata.resource_version)
     }
 
     /// Writes status if it differs from what the cache holds (the fencing token aside).
@@ -248,13 +248,13 @@ impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
         // Children carry the gate's routing labels, so their watches are filtered by the API server.
         let labels: BTreeMap<String, String> = gate.routing_labels().into_iter().collect();
         let write = self.child_versions.begin_write(key);
-        let applied = self.apply_children(&policy, key, gate, &labels).await;
+        let children = self.apply_children(&policy, key, gate, &labels).await;
         let changed_meanwhile = write.finish();
-        let applied = match applied {
+        let written = match children {
             Ok(effects) => self.sync_gateway(&policy, key, gate, &labels).await.map(|verdicts| (effects, verdicts)),
             Err(error) => Err(error),
         };
-        match applied {
+        match written {
             Ok((effects, verdicts)) => {
                 // Reported once per generation: the cache may not show yet the status this
                 // replica wrote with its event, so its own last event counts too.
@@ -266,7 +266,7 @@ impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
                         self.event(&policy, gate, occurrence, reason, note).await;
                     }
                 };
-                let applied = async {
+                let applied_event = async {
                     if let Some(events::Report { occurrence, reason, note }) = reports.applied
                         && self.event(&policy, gate, occurrence, reason, note).await
                     {
@@ -277,7 +277,7 @@ impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
                 let (status, (), ()) = futures::join!(
                     self.write_status(&policy, &Outcome::Applied, Some(&verdicts), gate),
                     repaired,
-                    applied
+                    applied_event
                 );
                 status?;
                 let recheck =
@@ -312,3 +312,6 @@ impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
         self.child_versions.forget_owner(key);
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -100,7 +100,7 @@ impl<S> Cache<S> {
 
 /// What the cache made of a watch event.
 #[derive(Debug)]
-pub struct Applied {
+pub struct CacheChange {
     /// The cache's key for the event's object, if it has one.
     pub key: Option<ObjectKey>,
     /// How the event's object differs from what the cache held under its name (the
@@ -110,7 +110,7 @@ pub struct Applied {
     pub gone: Vec<ObjectKey>,
 }
 
-impl Applied {
+impl CacheChange {
     fn object(key: ObjectKey, sight: Sight) -> Self {
         Self { key: Some(key), sight, gone: Vec::new() }
     }
@@ -123,13 +123,13 @@ impl Applied {
 impl<S: Stored> CacheWriter<S> {
     /// Applies an event of part `part` of the slice, which covers `scope`. A complete list
     /// replaces what the cache holds in `scope`.
-    pub fn apply(&mut self, part: u64, scope: &Scope, event: &watcher::Event<S::Object>) -> Applied {
+    pub fn apply(&mut self, part: u64, scope: &Scope, event: &watcher::Event<S::Object>) -> CacheChange {
         let stored =
             |object: &S::Object| Entry { object: Arc::new(S::store(object)), bucket: scope.bucket_of(object.meta()) };
         match event {
             watcher::Event::Init => {
                 self.listing.insert(part, HashMap::new());
-                Applied::nothing()
+                CacheChange::nothing()
             }
             watcher::Event::InitApply(object) => {
                 // An object the relist finds unchanged is kept as cached: a relist of a slice
@@ -143,10 +143,10 @@ impl<S: Stored> CacheWriter<S> {
                     None => (key, stored(object), Sight::New),
                 };
                 self.listing.entry(part).or_default().insert(key.clone(), entry);
-                Applied::object(key, sight)
+                CacheChange::object(key, sight)
             }
             watcher::Event::InitDone => {
-                let Some(mut listed) = self.listing.remove(&part) else { return Applied::nothing() };
+                let Some(mut listed) = self.listing.remove(&part) else { return CacheChange::nothing() };
                 // Buckets the part lost during the list are no longer its to fill.
                 listed.retain(|_, entry| scope.holds(entry.bucket));
                 let removed = {
@@ -158,7 +158,7 @@ impl<S: Stored> CacheWriter<S> {
                 };
                 // What was let go of is freed after the lock is released.
                 let gone = removed.into_iter().map(|(key, _)| key).collect();
-                Applied { key: None, sight: Sight::Same, gone }
+                CacheChange { key: None, sight: Sight::Same, gone }
             }
             watcher::Event::Apply(object) => {
                 let entry = stored(object);
@@ -171,7 +171,7 @@ impl<S: Stored> CacheWriter<S> {
                 let replaced = objects.insert(key.clone(), entry);
                 drop(objects);
                 drop(replaced);
-                Applied::object(key, sight)
+                CacheChange::object(key, sight)
             }
             watcher::Event::Delete(object) => {
                 let key = ObjectKey::of(object);
@@ -183,7 +183,7 @@ impl<S: Stored> CacheWriter<S> {
                     _ => None,
                 };
                 drop(objects);
-                Applied::object(removed.map_or(key, |(cached, _)| cached), Sight::Same)
+                CacheChange::object(removed.map_or(key, |(cached, _)| cached), Sight::Same)
             }
         }
     }

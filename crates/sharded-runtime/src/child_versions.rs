@@ -15,7 +15,7 @@
 //! a second reconcile close behind the first must not report again.
 //!
 //! The echo of a write may arrive before the write's response. So while an owner is being
-//! written ([`ChildVersions::begin_write`] … [`ChildVersions::end_write`]), events for its
+//! written ([`ChildVersions::begin_write`] … [`WriteGuard::finish`]), events for its
 //! children are held, and compared with what we wrote once the writes are done.
 
 use std::collections::{HashMap, HashSet};
@@ -115,7 +115,7 @@ struct Children {
 type ReportedMark = NonZeroU64;
 
 /// `None` for no generation, and for a generation above 2^32 (four billion edits of one
-/// object), which is then never taken as reported: at worst one more `Applied` event.
+/// object), which is then never taken as reported: at worst one more report.
 fn reported_mark(uid: &str, generation: Option<i64>) -> Option<ReportedMark> {
     let generation = u32::try_from(generation?).ok().filter(|g| *g > 0)?;
     let uid = xxh3_64(uid.as_bytes()) >> 32;
@@ -139,8 +139,8 @@ pub struct KnownBefore(HashMap<ObjectKey, Hash>);
 pub enum ApplyEffect {
     /// The server kept the object as it was.
     Unchanged,
-    /// First write we know of (created, or changed after our restart).
-    Applied,
+    /// The first write we know of (created, or changed after our restart).
+    FirstWrite,
     /// Changed because the owner's spec changed.
     Updated,
     /// Restored after someone else changed or deleted it.
@@ -309,16 +309,16 @@ impl ChildVersions {
         let slot = inner.slot(kind);
         if inner.writing.get(key).is_some_and(|writing| writing.forgotten[slot]) {
             // Forgotten while being written: nothing is known of it before or after.
-            return ApplyEffect::Applied;
+            return ApplyEffect::FirstWrite;
         }
         let entry = inner.entry(key, kind);
         let previous = Some(std::mem::replace(entry, now)).filter(|p| *p != Known::UNKNOWN);
         match previous {
             Some(p) if p.resource_version == Some(resource_version) => ApplyEffect::Unchanged,
-            Some(p) if p.written_for_generation.is_none() => ApplyEffect::Applied,
+            Some(p) if p.written_for_generation.is_none() => ApplyEffect::FirstWrite,
             Some(p) if p.written_for_generation == generation => ApplyEffect::Repaired,
             Some(_) => ApplyEffect::Updated,
-            None => ApplyEffect::Applied,
+            None => ApplyEffect::FirstWrite,
         }
     }
 

@@ -12,7 +12,7 @@
 //!   write children it could have known to be current;
 //! - on shutdown no new work is taken, and in-flight reconciles get `drain_timeout`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,52 +23,26 @@ use futures::future::join_all;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use kube::Resource;
-use kube::runtime::watcher;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 use super::backoff::Backoff;
 use super::cache::{Cache, Entry};
-use super::child_versions::{CHILD_KINDS, ChildVersions, KnownBefore};
-use super::gate::{Gatekeeper, WriteGate};
+use super::child_feed::{ChildCommand, ChildFeed};
+use super::child_versions::{CHILD_KINDS, ChildVersions};
 use super::key::ObjectKey;
 use super::list_deadline::ListDeadline;
 use super::parts::{Buckets, SliceWatch};
-use super::predicate::{List, Sight};
+use super::primary_feed::{PrimaryCommand, PrimaryFeed};
 use super::queue::{Priority, WorkQueue};
+use super::reconciler::{Action, Gatekeeper, Reconciler};
 use super::stored::Stored;
 use super::watch::{Cached, ChildEvent};
 use super::watch_health::WatchHealth;
 use crate::error::{Error, Result};
 use crate::health::Health;
 use crate::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
-
-/// What to do after a successful reconcile.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Action {
-    /// Nothing until the next change or resync.
-    Done,
-    /// Look again after this long.
-    RequeueAfter(Duration),
-    /// Not ours to reconcile (another replica owns it): no resync either.
-    Skip,
-}
-
-/// The business logic plugged into the runtime.
-pub trait Reconciler<S>: Send + Sync + 'static {
-    /// Reconciles `object`, whose key is `key` (the cache's own, so whatever keeps it shares
-    /// it), writing only through `gate`.
-    fn reconcile(
-        &self,
-        key: &ObjectKey,
-        object: Arc<S>,
-        gate: &dyn WriteGate,
-    ) -> impl Future<Output = Result<Action>> + Send;
-    /// The watch says the object is gone (deleted, or out of the slice): drop any state kept
-    /// for it.
-    fn forget(&self, key: &ObjectKey);
-}
 
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -174,91 +148,28 @@ where
     }
 
     /// Feeds the queue, and tells `reconciler` to forget an object once the cache lets go of
-    /// it (deleted, gone from a relist, out of the slice, or replaced by a new object under
-    /// its name). Only the watch can say so: a worker that misses an object in the cache may
-    /// be early (the list that brings it has not completed).
+    /// it ([`PrimaryFeed`] has the rules).
     async fn feed_primary<R: Reconciler<S>>(
         self: Arc<Self>,
         primary: impl Stream<Item = Cached<S::Object>> + Send,
         reconciler: Arc<R>,
     ) {
-        // What each part's list under way found; the cache publishes a list only when it
-        // completes, so its objects wait here until then: a worker must find what it is handed.
-        let mut listing: HashMap<u64, Vec<Found>> = HashMap::new();
-        // Parts that completed a list: a list of one of these again is of the same buckets.
-        let mut parts_listed: HashSet<u64> = HashSet::new();
-        let forget = |gone: Vec<ObjectKey>, lane: Priority| {
-            for key in gone {
-                reconciler.forget(&key);
-                self.queue.add(key, lane);
-            }
-        };
+        let mut feed = PrimaryFeed::default();
         let mut primary = std::pin::pin!(primary);
         while let Some(cached) = primary.next().await {
-            let (part, scope, event, key, sight, backlog, gone) = match cached {
-                Cached::Event { part, scope, event, key, sight, backlog, gone } => {
-                    (part, scope, event, key, sight, backlog, gone)
-                }
-                Cached::Dropped { scope, gone } => {
-                    self.primary_listed.send_modify(|listed| listed_without(listed, scope.buckets()));
-                    forget(gone, Priority::Low);
-                    continue;
-                }
-                Cached::Closed { part } => {
-                    listing.remove(&part);
-                    parts_listed.remove(&part);
-                    continue;
-                }
-            };
-            // Each event comes with the cache's key for its object.
-            let key = || key.clone().expect("an object's event has a key");
-            match event {
-                watcher::Event::Init => {
-                    listing.insert(part, Vec::new());
-                    // The cache's picture of the part is replaced when this list completes.
-                    self.primary_listed.send_modify(|listed| listed_without(listed, scope.buckets()));
-                }
-                watcher::Event::InitApply(object) => {
-                    let bucket = scope.bucket_of(object.meta());
-                    listing.entry(part).or_default().push(Found { key: key(), sight, bucket });
-                }
-                watcher::Event::InitDone => {
-                    // Real changes go first. The first list, and what a new part of the slice
-                    // brings (buckets gained in a handoff), is backlog: it waits behind them, so
-                    // a restart or a handoff pages no one and delays no edit. A relist of a part
-                    // (after a watch gap) finds only real changes: edits, and objects created
-                    // meanwhile.
-                    let list = match self.primary_listed.borrow().as_ref() {
-                        None => List::First,
-                        Some(_) if parts_listed.contains(&part) => List::SameSlice,
-                        Some(_) => List::NewSlice,
-                    };
-                    for Found { key, sight, bucket } in listing.remove(&part).unwrap_or_default() {
-                        if sight == Sight::Replaced {
-                            reconciler.forget(&key);
-                        }
-                        // Buckets the part lost during the list were forgotten meanwhile.
-                        if sight != Sight::Same && bucket.is_some_and(|b| scope.buckets().contains(&b)) {
-                            self.queue.add(key, list.priority_of(sight));
-                        }
+            for command in feed.on(cached) {
+                match command {
+                    PrimaryCommand::Forget(key) => reconciler.forget(&key),
+                    PrimaryCommand::Enqueue(key, lane) => self.queue.add(key, lane),
+                    PrimaryCommand::Unlisted(buckets) => {
+                        self.primary_listed.send_modify(|listed| listed_without(listed, &buckets));
                     }
-                    forget(gone, Priority::Low);
-                    parts_listed.insert(part);
-                    self.primary_listed.send_modify(|listed| {
-                        listed.get_or_insert_default().extend(scope.buckets());
-                    });
-                    self.health.ready(self.settings.name);
-                    metrics::set_cache_synced(self.settings.name, true);
+                    PrimaryCommand::Listed(buckets) => {
+                        self.primary_listed.send_modify(|listed| listed.get_or_insert_default().extend(buckets));
+                        self.health.ready(self.settings.name);
+                        metrics::set_cache_synced(self.settings.name, true);
+                    }
                 }
-                watcher::Event::Apply(_) => match sight {
-                    Sight::Same => {}
-                    // First seen through a watch event because it was labelled late, from
-                    // a backlog nobody waits on (as after a preload): behind real changes.
-                    Sight::New if backlog => self.queue.add(key(), Priority::Low),
-                    Sight::Replaced => forget(vec![key()], Priority::High),
-                    _ => self.queue.add(key(), Priority::High),
-                },
-                watcher::Event::Delete(_) => forget(vec![key()], Priority::High),
             }
         }
     }
@@ -268,55 +179,17 @@ where
         mut children: BoxStream<'static, ChildEvent>,
         versions: Arc<ChildVersions>,
     ) {
-        // Parts that completed a list: what a list of a new part finds only teaches us
-        // versions, as the primary's list of that part reconciles every owner anyway.
-        let mut parts_listed: HashSet<u64> = HashSet::new();
-        // Per part with a list under way: what was known of its children when the list
-        // began, and the owners whose children it has found so far.
-        let mut listing: HashMap<u64, (KnownBefore, HashSet<ObjectKey>)> = HashMap::new();
+        let mut feed = ChildFeed::default();
         while let Some(event) = children.next().await {
-            match event {
-                ChildEvent::Listing { kind, part, scope } => {
-                    let known = versions.known_where(kind, |owner| scope.covers_namespace(owner.namespace()));
-                    listing.insert(part, (known, HashSet::new()));
-                    self.children_listed.send_modify(|listed| {
-                        listed.entry(kind).or_default().retain(|b| !scope.buckets().contains(b));
-                    });
-                }
-                ChildEvent::Listed { kind, part, scope } => {
-                    // A list sends no deletions: a child known before it began, unchanged since,
-                    // and not found was deleted while the watch was down (or before the part
-                    // was ours). Its owner needs another look if it is one we know.
-                    if let Some((known, found)) = listing.remove(&part) {
-                        for owner in versions.missing_from_list(kind, known, &found) {
-                            if parts_listed.contains(&part) {
-                                self.queue.add(owner, Priority::High);
-                            }
-                        }
-                    }
-                    parts_listed.insert(part);
-                    self.children_listed.send_modify(|listed| {
-                        listed.entry(kind).or_default().extend(scope.buckets());
-                    });
-                    self.health.ready(kind);
-                }
-                ChildEvent::Dropped { kind, scope } => {
-                    versions.forget_kind_where(kind, |owner| scope.covers_namespace(owner.namespace()));
-                    self.children_listed.send_modify(|listed| {
-                        listed.entry(kind).or_default().retain(|b| !scope.buckets().contains(b));
-                    });
-                }
-                ChildEvent::Closed { part } => {
-                    parts_listed.remove(&part);
-                    listing.remove(&part);
-                }
-                ChildEvent::Changed { kind, owner, resource_version, content, part, initial } => {
-                    if let Some((_, found)) = listing.get_mut(&part).filter(|_| initial) {
-                        found.insert(owner.clone());
-                    }
-                    let news = versions.observe(kind, &owner, resource_version.as_deref(), content);
-                    if news && (parts_listed.contains(&part) || !initial) {
-                        self.queue.add(owner, Priority::High);
+            for command in feed.on(event, &versions) {
+                match command {
+                    ChildCommand::Requeue(owner) => self.queue.add(owner, Priority::High),
+                    ChildCommand::Unlisted { kind, buckets } => self.children_listed.send_modify(|listed| {
+                        listed.entry(kind).or_default().retain(|b| !buckets.contains(b));
+                    }),
+                    ChildCommand::Listed { kind, buckets } => {
+                        self.children_listed.send_modify(|listed| listed.entry(kind).or_default().extend(buckets));
+                        self.health.ready(kind);
                     }
                 }
             }
@@ -452,13 +325,6 @@ where
             }
         }
     }
-}
-
-/// An object found by a list under way, waiting for the list to complete.
-struct Found {
-    key: ObjectKey,
-    sight: Sight,
-    bucket: Option<u16>,
 }
 
 /// Whether each of the `child_kinds` child watches has a completed list of `bucket`.

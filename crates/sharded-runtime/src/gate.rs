@@ -10,8 +10,6 @@ use std::time::Duration;
 use kube::core::Status;
 use tokio::time::Instant;
 
-use super::controller::Action;
-use super::key::ObjectKey;
 use crate::error::{Error, Result};
 
 /// Leave to send one write.
@@ -41,56 +39,6 @@ pub trait WriteGate: Send + Sync {
     fn stamp(&self, permit: &Permit, annotations: &mut BTreeMap<String, String>);
     /// Whether the API server's refusal says the object holds a newer writer's token.
     fn is_fenced(&self, refusal: &Status) -> bool;
-}
-
-/// Who may write, asked by the controller before each reconcile: the gate it gives is the
-/// one the reconcile writes through. Sharding is one (it lets a reconcile write while its
-/// object's bucket is this process's); [`Unguarded`] lets every write through.
-pub trait Gatekeeper: Send + Sync + 'static {
-    type Gate<'a>: WriteGate
-    where
-        Self: 'a;
-    /// The gate for one reconcile of `key`, whose cache entry has it in `bucket`; `None` when
-    /// the object is not this process's to reconcile now.
-    fn admit<'a>(&'a self, key: &'a ObjectKey, bucket: Option<u16>) -> Option<Self::Gate<'a>>;
-    /// The reconcile `gate` admitted returned `outcome`. Not called for a reconcile that
-    /// panicked or timed out: its writes may still be on their way.
-    fn finished(&self, gate: Self::Gate<'_>, outcome: &Result<Action>) {
-        let _ = (gate, outcome);
-    }
-}
-
-/// Lets every write through, with token 0 and no stamp: for a controller whose objects no
-/// other process writes.
-pub struct Unguarded {
-    pub write_bound: Duration,
-}
-
-impl Gatekeeper for Unguarded {
-    type Gate<'a> = &'a Unguarded;
-    fn admit<'a>(&'a self, _: &'a ObjectKey, _: Option<u16>) -> Option<&'a Unguarded> {
-        Some(self)
-    }
-}
-
-impl WriteGate for &Unguarded {
-    fn check(&self, _: &str) -> Result<Permit> {
-        Ok(Permit { token: 0, sent: Instant::now() })
-    }
-    fn permitted(&self) -> bool {
-        true
-    }
-    fn write_bound(&self) -> Duration {
-        self.write_bound
-    }
-    fn routing_labels(&self) -> Vec<(String, String)> {
-        Vec::new()
-    }
-    fn abandoned(&self, _: Instant) {}
-    fn stamp(&self, _: &Permit, _: &mut BTreeMap<String, String>) {}
-    fn is_fenced(&self, _: &Status) -> bool {
-        false
-    }
 }
 
 /// Runs one write, permitted by `permit`, within the gate's bound from the permit's send

@@ -2,9 +2,11 @@
 //! namespaces (buckets of them), in pipeline order: [`watch`] sources of the slice's
 //! [`parts`] feed a [`cache`] of compact copies ([`stored`]), which judges each event with
 //! the [`predicate`] and feeds the [`queue`]; the [`controller`]'s workers take keys from it,
-//! ask a [`gate::Gatekeeper`] for the object's [`gate::WriteGate`] (sharding is one), and call
-//! a [`controller::Reconciler`] that writes through it. Beside them: [`error`], [`health`]
-//! (readiness gates), [`metrics`] and [`client`]. Which buckets are this process's, and what
+//! ask a [`reconciler::Gatekeeper`] for the object's [`gate::WriteGate`] (sharding is one),
+//! and call a [`reconciler::Reconciler`] that writes through it. What each watch event means
+//! to the controller is decided by two state machines, [`primary_feed`] and [`child_feed`],
+//! which return commands and are table-tested without a watch. Beside them: [`error`],
+//! [`health`] (readiness gates), [`metrics`] and [`client`]. Which buckets are this process's, and what
 //! the gate rests on, come from outside: the runtime knows no Lease and no business object.
 //!
 //! Why not kube-runtime's `Controller` (`for_stream`, `owns_stream`, `graceful_shutdown_on`)?
@@ -26,6 +28,7 @@
 
 pub mod backoff;
 pub mod cache;
+pub mod child_feed;
 pub mod child_versions;
 pub mod client;
 pub mod controller;
@@ -37,11 +40,14 @@ pub mod list_deadline;
 pub mod metrics;
 pub mod parts;
 pub mod predicate;
+pub mod primary_feed;
 pub mod queue;
+pub mod reconciler;
 pub mod stored;
 pub mod watch;
 pub mod watch_health;
 
-pub use controller::{Action, Controller, Listed, Reconciler, Settings};
-pub use gate::{Gatekeeper, WriteGate};
+pub use controller::{Controller, Listed, Settings};
+pub use gate::WriteGate;
 pub use key::ObjectKey;
+pub use reconciler::{Action, Gatekeeper, Reconciler};

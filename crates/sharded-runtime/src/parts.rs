@@ -137,25 +137,39 @@ pub enum SliceEvent<K> {
     Closed { part: u64 },
 }
 
-/// A watch of `api`, in parts, of the slice `slice` names; `fixed_labels` are always
-/// required in addition. Nothing is watched until the slice is known. Errors are counted,
-/// logged and retried with kube-runtime's default backoff; refusals are told to `health`.
-pub fn watch<K>(
-    api: Api<K>,
-    fixed_labels: Option<String>,
-    slice: SliceWatch,
-    slicing: Slicing,
-    health: Arc<WatchHealth>,
-) -> BoxStream<'static, SliceEvent<K>>
-where
+/// What a slice can be watched of: a namespaced resource of a static type.
+pub trait Watchable:
+    Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+    + Clone
+    + DeserializeOwned
+    + Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Watchable for K where
     K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
         + Clone
         + DeserializeOwned
         + Debug
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// A watch of `api`, in parts, of the slice `slice` names; `fixed_labels` are always
+/// required in addition. Nothing is watched until the slice is known. Errors are counted,
+/// logged and retried with kube-runtime's default backoff; refusals are told to `health`.
+pub fn watch<K: Watchable>(
+    api: Api<K>,
+    fixed_labels: Option<String>,
+    slice: SliceWatch,
+    slicing: Slicing,
+    health: Arc<WatchHealth>,
+) -> BoxStream<'static, SliceEvent<K>> {
     let selecting = move |selector: &SliceSelector| match selector {
         SliceSelector::Labels(labels) => (api.clone(), with_fixed(&fixed_labels, Some(labels))),
         SliceSelector::Shards(shards) => (shard_selecting(&api, shards), with_fixed(&fixed_labels, None)),

@@ -13,7 +13,7 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
-use super::cache::{Applied, CacheWriter};
+use super::cache::{CacheChange, CacheWriter};
 use super::child_versions::{ContentStamp, stamped_content};
 use super::key::ObjectKey;
 use super::parts::{Scope, SliceEvent};
@@ -57,7 +57,7 @@ where
     events.map(move |event| match event {
         SliceEvent::Part { part, scope, event } => {
             let backlog = matches!(&event, watcher::Event::Apply(object) if is_backlog(object));
-            let Applied { key, sight, gone } = writer.apply(part, &scope, &event);
+            let CacheChange { key, sight, gone } = writer.apply(part, &scope, &event);
             Cached::Event { part, scope, event, key, sight, backlog, gone }
         }
         SliceEvent::Dropped(scope) => {

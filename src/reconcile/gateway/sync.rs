@@ -73,7 +73,7 @@ impl TrafficPolicyReconciler {
             && !gateway_missing
         {
             match self.apply_output(policy, key, gate, &http_route(), route, routes[0].1.as_ref()).await? {
-                Output::Applied(written) => route_written = written,
+                Output::InPlace { written } => route_written = written,
                 Output::Refused(verdict) => verdicts.push(verdict),
             }
         }
@@ -84,7 +84,7 @@ impl TrafficPolicyReconciler {
             let current = api.get_opt(&object.name_any()).await?.map(|o| serde_json::to_value(o).expect("serializes"));
             limit_status = current.as_ref().map(|c| c["status"].clone());
             match self.apply_output(policy, key, gate, &resource, object, current.as_ref()).await? {
-                Output::Applied(written) => limit_written = written,
+                Output::InPlace { written } => limit_written = written,
                 Output::Refused(verdict) => verdicts.push(verdict),
             }
         }
@@ -180,12 +180,12 @@ impl TrafficPolicyReconciler {
             }
             let stamped = current["metadata"]["annotations"][CONTENT_ANNOTATION].as_str();
             if stamped.and_then(|s| u64::from_str_radix(s, 16).ok()) == Some(content) {
-                return Ok(Output::Applied(false));
+                return Ok(Output::InPlace { written: false });
             }
         }
         let api = Api::<DynamicObject>::namespaced_with(self.client.clone(), key.namespace(), resource);
         match self.send_apply(kind, api.resource_url(), object, content, key, gate).await {
-            Ok(_) => Ok(Output::Applied(true)),
+            Ok(_) => Ok(Output::InPlace { written: true }),
             // The API server does not serve the kind: the gateway's CRDs are not installed.
             Err(Error::Kube(kube::Error::Api(status))) if status.code == 404 => {
                 let message = format!(
@@ -235,8 +235,8 @@ impl TrafficPolicyReconciler {
 }
 
 enum Output {
-    /// In place; `true` when this reconcile wrote it.
-    Applied(bool),
+    /// In place; `written` when this reconcile wrote it.
+    InPlace { written: bool },
     /// Not written, and why.
     Refused(Verdict),
 }

@@ -6,7 +6,7 @@ use super::*;
 fn classifies_writes_and_filters_echoes() {
     let v = ChildVersions::default();
     let k = ObjectKey::new("ns", "a");
-    assert_eq!(v.written("Secret", &k, "10", Some(1), 1), ApplyEffect::Applied);
+    assert_eq!(v.written("Secret", &k, "10", Some(1), 1), ApplyEffect::FirstWrite);
     assert!(!v.observe("Secret", &k, Some("10"), None), "echo of our own write");
     assert_eq!(v.written("Secret", &k, "10", Some(1), 1), ApplyEffect::Unchanged);
     assert!(v.observe("Secret", &k, Some("11"), None), "someone else edited it");
@@ -87,7 +87,7 @@ fn echoes_arriving_before_the_write_returns_are_recognised() {
     let k = ObjectKey::new("ns", "a");
     let write = v.begin_write(&k);
     assert!(!v.observe("ConfigMap", &k, Some("5"), None), "held while writing");
-    assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Applied);
+    assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::FirstWrite);
     assert!(!write.finish(), "it was our own echo");
     assert!(!v.observe("ConfigMap", &k, Some("5"), None));
 
@@ -108,7 +108,7 @@ fn a_write_that_ends_after_its_owner_was_forgotten_brings_nothing_back() {
     let write = v.begin_write(&k);
     v.forget_owner(&k);
     assert!(!v.observe("ConfigMap", &k, Some("5"), Some(1)), "held while writing");
-    assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::Applied);
+    assert_eq!(v.written("ConfigMap", &k, "5", Some(1), 1), ApplyEffect::FirstWrite);
     assert!(write.finish(), "what the list of an owner that came back would bring: look again");
     assert!(v.is_empty(), "nothing would ever forget it again");
 

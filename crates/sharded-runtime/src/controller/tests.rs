@@ -1,8 +1,10 @@
 use super::*;
-use crate::gate::Unguarded;
+use crate::gate::WriteGate;
 use crate::parts::Scope;
+use crate::reconciler::Unguarded;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::ObjectMeta;
+use kube::runtime::watcher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Panics on its first call, succeeds after.
