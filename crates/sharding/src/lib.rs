@@ -8,7 +8,7 @@
 //!   lease renewals;
 //! - [`assignment`]: the published bucket ownership, with fencing epochs, and the leader's
 //!   safe transitions (revoke before reassign);
-//! - [`slice`]: what this replica may write right now, and when it may say it let go.
+//! - [`mod@slice`]: what this replica may write right now, and when it may say it let go.
 //!
 //! The side effects of the protocol (leases, the leader, applying an assignment) are the
 //! program's: traffic-policy-operator's `coordination` module runs them. Nothing here names
