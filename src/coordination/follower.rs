@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::lease::MemberLease;
 use super::ownership::Ownership;
 use super::published::{AssignmentView, decode};
-use super::{ASSIGNMENT_CONFIGMAP, ShardConfig};
+use super::{ASSIGNMENT_CONFIGMAP, Replica, ShardConfig};
 use crate::runtime::parts::{Buckets, SliceSelector};
 use crate::sharding::bucket::{self, Bucket, Mode};
 use crate::sharding::shard_range;
@@ -49,19 +49,19 @@ pub fn slice_selector(mode: Mode, owned: &BTreeSet<Bucket>) -> Option<SliceSelec
 }
 
 impl Follower {
-    #[allow(clippy::too_many_arguments)]
+    /// Follows the assignment for `replica`, acknowledging on `lease`, and sends the buckets
+    /// this replica owns to `slice`.
     pub fn new(
         client: Client,
-        config: &ShardConfig,
-        ownership: Arc<Ownership>,
+        replica: &Replica,
         lease: Arc<MemberLease>,
-        view: Arc<AssignmentView>,
         slice: watch::Sender<Option<Buckets>>,
         health: Arc<Health>,
         audit: Audit,
     ) -> Self {
+        let Replica { config, ownership, view } = replica.clone();
         let configmaps = Api::namespaced(client, &config.namespace);
-        Self { config: config.clone(), ownership, lease, view, configmaps, slice, health, audit, applied: 0 }
+        Self { config, ownership, lease, view, configmaps, slice, health, audit, applied: 0 }
     }
 
     pub async fn run(mut self, stop: CancellationToken) {

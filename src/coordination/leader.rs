@@ -31,7 +31,7 @@ use super::members::{Members, lease_state};
 use super::namespace_labels::label_namespaces;
 use super::ownership::Ownership;
 use super::published::AssignmentView;
-use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, ShardConfig};
+use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, Replica, ShardConfig};
 use crate::sharding::assignment::{
     Assignment, DrainFacts, Slot, may_reassign, next_assignment, starting_point, track_revocations, vacate,
 };
@@ -71,14 +71,8 @@ pub struct Leader {
 impl Leader {
     /// `client` for coordination; `labeller_client` (the work client, under its rate limit if
     /// one applies) for labelling policies.
-    pub fn new(
-        client: Client,
-        labeller_client: Client,
-        config: &ShardConfig,
-        ownership: Arc<Ownership>,
-        members: Arc<Members>,
-        view: Arc<AssignmentView>,
-    ) -> Self {
+    pub fn new(client: Client, labeller_client: Client, replica: &Replica, members: Arc<Members>) -> Self {
+        let Replica { config, ownership, view } = replica.clone();
         let params = LeaseLockParams {
             lease_name: LEADER_LEASE.into(),
             holder_id: config.incarnation.clone(),
@@ -90,7 +84,7 @@ impl Leader {
             floor: EpochFloor::new(client.clone(), &config.floor_object),
             leases: Api::namespaced(client, &config.namespace),
             labeller_client,
-            config: config.clone(),
+            config,
             ownership,
             members,
             view,

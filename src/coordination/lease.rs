@@ -29,8 +29,8 @@ use super::load::LoadReport;
 use super::ownership::Ownership;
 use super::published::{AssignmentView, decode};
 use super::{
-    ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, LOAD_ANNOTATION, MODE_ANNOTATION, NOT_WORKING_ANNOTATION, SEEN_ANNOTATION,
-    ShardConfig, VERSION_ANNOTATION,
+    ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, LOAD_ANNOTATION, MODE_ANNOTATION, NOT_WORKING_ANNOTATION, Replica,
+    SEEN_ANNOTATION, ShardConfig, VERSION_ANNOTATION,
 };
 use crate::runtime::watch_health::WatchHealth;
 use crate::telemetry::metrics as m;
@@ -63,8 +63,8 @@ pub struct MemberLease {
     load: Arc<LoadReport>,
     /// The generation to acknowledge on the Lease; a change triggers a renewal at once.
     ack: watch::Sender<u64>,
-    /// Another holder's renewal as first seen: (holder, renewTime, when we first saw it).
-    foreign: Mutex<Option<(String, Option<MicroTime>, Instant)>>,
+    /// Another holder's renewal, as first seen.
+    foreign: Mutex<ForeignHold>,
     /// Whether the watches of our slice work: refused ones make us give the slice up.
     watch_health: Arc<WatchHealth>,
     /// Renewal cycles in a row whose read of the assignment failed.
@@ -72,24 +72,18 @@ pub struct MemberLease {
 }
 
 impl MemberLease {
-    pub fn new(
-        client: Client,
-        config: &ShardConfig,
-        ownership: Arc<Ownership>,
-        view: Arc<AssignmentView>,
-        load: Arc<LoadReport>,
-        watch_health: Arc<WatchHealth>,
-    ) -> Self {
+    pub fn new(client: Client, replica: &Replica, load: Arc<LoadReport>, watch_health: Arc<WatchHealth>) -> Self {
+        let Replica { config, ownership, view } = replica.clone();
         Self {
             leases: Api::namespaced(client.clone(), &config.namespace),
             configmaps: Api::namespaced(client, &config.namespace),
             name: config.member_lease_name(),
-            config: config.clone(),
+            config,
             ownership,
             view,
             load,
             ack: watch::channel(0).0,
-            foreign: Mutex::new(None),
+            foreign: Mutex::default(),
             watch_health,
             failed_reads: AtomicU32::new(0),
         }
@@ -213,14 +207,7 @@ impl MemberLease {
     /// Whether `holder` has not renewed for `duration`, as we have seen it.
     fn expired(&self, holder: &str, renew_time: Option<MicroTime>, duration: Duration) -> bool {
         let mut foreign = self.foreign.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        match &*foreign {
-            Some((h, t, since)) if h == holder && *t == renew_time => now.saturating_duration_since(*since) >= duration,
-            _ => {
-                *foreign = Some((holder.to_string(), renew_time, now));
-                false
-            }
-        }
+        foreign.expired(holder, renew_time, duration, Instant::now())
     }
 
     async fn write(&self, mut lease: Lease, create: bool) -> Result<(), RenewError> {
@@ -297,5 +284,54 @@ impl MemberLease {
             Err(_) => tracing::warn!("releasing the member lease timed out; others wait for it to expire"),
         }
         m::set_lease_held(false);
+    }
+}
+
+/// Another incarnation's hold on our member Lease as this process has seen it: the holder, its
+/// renewTime, and when we first saw that pair. Judged by our own clock alone (clocks of two
+/// machines are never compared): the hold has expired once one renewal has stood for a whole
+/// lease duration here.
+#[derive(Default)]
+struct ForeignHold(Option<(String, Option<MicroTime>, Instant)>);
+
+impl ForeignHold {
+    fn expired(&mut self, holder: &str, renew_time: Option<MicroTime>, duration: Duration, now: Instant) -> bool {
+        match &self.0 {
+            Some((h, t, since)) if h == holder && *t == renew_time => now.saturating_duration_since(*since) >= duration,
+            _ => {
+                self.0 = Some((holder.to_string(), renew_time, now));
+                false
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn renewal(second: i64) -> Option<MicroTime> {
+        Some(MicroTime(k8s_openapi::jiff::Timestamp::from_second(second).unwrap()))
+    }
+
+    #[test]
+    fn a_foreign_hold_expires_only_after_one_renewal_stood_a_whole_duration_here() {
+        let (mut hold, t0, lease) = (ForeignHold::default(), Instant::now(), Duration::from_secs(15));
+        let at = |seconds| t0 + Duration::from_secs(seconds);
+        assert!(!hold.expired("old_1", renewal(100), lease, at(0)), "first sight: never expired");
+        assert!(!hold.expired("old_1", renewal(100), lease, at(14)));
+        assert!(hold.expired("old_1", renewal(100), lease, at(15)), "one renewal stood 15 s here");
+        assert!(!hold.expired("old_1", renewal(101), lease, at(16)), "it renewed: the count starts again");
+        assert!(!hold.expired("old_1", renewal(101), lease, at(30)));
+        assert!(!hold.expired("old_2", renewal(101), lease, at(31)), "another holder starts again");
+        assert!(hold.expired("old_2", renewal(101), lease, at(46)));
+    }
+
+    #[test]
+    fn a_renew_time_far_in_the_past_is_not_taken_for_expired() {
+        // The holder's clock may be wrong: only what this process saw counts.
+        let (mut hold, t0, lease) = (ForeignHold::default(), Instant::now(), Duration::from_secs(15));
+        assert!(!hold.expired("old_1", renewal(0), lease, t0));
+        assert!(!hold.expired("old_1", renewal(0), lease, t0 + Duration::from_secs(1)));
     }
 }

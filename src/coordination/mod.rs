@@ -60,6 +60,15 @@ pub const MODE_ANNOTATION: &str = "trafficpolicy.dev/shard-mode";
 pub const VERSION_ANNOTATION: &str = "trafficpolicy.dev/version";
 pub const NOT_WORKING_ANNOTATION: &str = "trafficpolicy.dev/not-working";
 
+/// What this replica's protocol tasks (lease, leader, follower) share: who it is, what it may
+/// write, and the newest assignment it has read.
+#[derive(Clone)]
+pub struct Replica {
+    pub config: ShardConfig,
+    pub ownership: std::sync::Arc<ownership::Ownership>,
+    pub view: std::sync::Arc<published::AssignmentView>,
+}
+
 /// Who we are and the lease timings, validated by the CLI.
 #[derive(Clone, Debug)]
 pub struct ShardConfig {

@@ -10,7 +10,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
 use crate::client::Clients;
-use crate::coordination::ShardConfig;
 use crate::coordination::follower::Follower;
 use crate::coordination::leader::Leader;
 use crate::coordination::lease::MemberLease;
@@ -18,6 +17,7 @@ use crate::coordination::load::LoadReport;
 use crate::coordination::members::Members;
 use crate::coordination::ownership::Ownership;
 use crate::coordination::published::AssignmentView;
+use crate::coordination::{Replica, ShardConfig};
 use crate::runtime::health::Health;
 use crate::runtime::parts::SliceWatch;
 use crate::runtime::watch_health::WatchHealth;
@@ -60,29 +60,15 @@ impl Coordination {
         let view = Arc::new(AssignmentView::default());
         let load = Arc::new(LoadReport::default());
         let watch_health = WatchHealth::new();
-        let member_lease = Arc::new(MemberLease::new(
-            coordination.clone(),
-            shard,
-            ownership.clone(),
-            view.clone(),
-            load.clone(),
-            watch_health.clone(),
-        ));
-        let leader = Arc::new(Leader::new(
-            coordination.clone(),
-            clients.work.clone(),
-            shard,
-            ownership.clone(),
-            members.clone(),
-            view.clone(),
-        ));
+        let replica = Replica { config: shard.clone(), ownership: ownership.clone(), view };
+        let member_lease =
+            Arc::new(MemberLease::new(coordination.clone(), &replica, load.clone(), watch_health.clone()));
+        let leader = Arc::new(Leader::new(coordination.clone(), clients.work.clone(), &replica, members.clone()));
         let (slice_tx, slice) = tokio::sync::watch::channel(None);
         let follower = Follower::new(
             coordination.clone(),
-            shard,
-            ownership.clone(),
+            &replica,
             member_lease.clone(),
-            view,
             slice_tx,
             health.clone(),
             audit.clone(),
