@@ -51,7 +51,7 @@ pub(super) fn start(
     let (cache, writer) = crate::runtime::cache::new();
     tokio::spawn(report_policies(cache.clone()));
     // Objects fall into buckets as the API server's filter sees them, as the write gate does.
-    let mode = sharding.mode;
+    let mode = sharding.ownership.mode();
     let slicing = Slicing::new(
         move |meta| bucket_of_meta(meta, mode),
         move |namespace| mode.bucket_of(namespace),

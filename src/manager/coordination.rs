@@ -21,11 +21,9 @@ use crate::coordination::{Replica, ShardConfig};
 use crate::runtime::health::Health;
 use crate::runtime::parts::SliceWatch;
 use crate::runtime::watch_health::WatchHealth;
-use crate::sharding::bucket::Mode;
 use crate::telemetry::audit::Audit;
 
 pub(super) struct Coordination {
-    pub mode: Mode,
     pub ownership: Arc<Ownership>,
     /// The buckets this replica owns, for the watches.
     pub slice: SliceWatch,
@@ -92,7 +90,6 @@ impl Coordination {
         });
         let follower_task = tokio::spawn(args.test_faults.clone().follower(follower.run(stop_sharding.clone())));
         Ok(Self {
-            mode,
             ownership,
             slice,
             load,

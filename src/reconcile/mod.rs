@@ -136,7 +136,7 @@ impl TrafficPolicyReconciler {
         C: Resource + Serialize,
     {
         let permit = gate.check(kind)?;
-        child.annotations_mut().insert(CONTENT_ANNOTATION.into(), format!("{content:x}"));
+        CONTENT_STAMP.put(child.annotations_mut(), content);
         gate.stamp(&permit, child.annotations_mut());
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let request = Request::new(url)

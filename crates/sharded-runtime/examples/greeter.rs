@@ -114,7 +114,7 @@ impl Reconciler<Greeting> for Greeter {
             return Ok(Action::Done);
         }
         let permit = gate.check("ConfigMap")?;
-        child.annotations_mut().insert(STAMP.annotation.into(), format!("{content:x}"));
+        STAMP.put(child.annotations_mut(), content);
         gate.stamp(&permit, child.annotations_mut());
         let api = Api::<ConfigMap>::namespaced(self.client.clone(), key.namespace());
         let params = PatchParams::apply(STAMP.field_manager).force();

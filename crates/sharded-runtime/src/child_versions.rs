@@ -18,7 +18,7 @@
 //! written ([`ChildVersions::begin_write`] … [`WriteGuard::finish`]), events for its
 //! children are held, and compared with what we wrote once the writes are done.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::num::{NonZeroI64, NonZeroU64};
 use std::sync::Mutex;
 
@@ -34,6 +34,18 @@ use super::key::ObjectKey;
 pub struct ContentStamp {
     pub annotation: &'static str,
     pub field_manager: &'static str,
+}
+
+impl ContentStamp {
+    /// Puts `content` on a child about to be written, in the form [`stamped_content`] reads.
+    pub fn put(self, annotations: &mut BTreeMap<String, String>, content: u64) {
+        annotations.insert(self.annotation.into(), format!("{content:x}"));
+    }
+
+    /// The content hash an annotation's value holds.
+    pub fn parse(value: &str) -> Option<u64> {
+        u64::from_str_radix(value, 16).ok()
+    }
 }
 
 /// A hash of a child as we would write it (before the content and fencing annotations go on).
@@ -52,7 +64,7 @@ pub fn stamped_content(meta: &ObjectMeta, stamp: ContentStamp) -> Option<u64> {
     };
     let last_apply = entries.iter().filter(ours).filter_map(|e| e.time.as_ref()).map(|t| t.0).max()?;
     let changed_since = entries.iter().filter(|e| !ours(e)).any(|e| e.time.as_ref().is_none_or(|t| t.0 >= last_apply));
-    if changed_since { None } else { u64::from_str_radix(hash, 16).ok() }
+    if changed_since { None } else { ContentStamp::parse(hash) }
 }
 
 /// What we know of one child (24 bytes: the hashes and the generation are never 0, so

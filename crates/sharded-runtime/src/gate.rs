@@ -1,7 +1,7 @@
 //! The right to write, as a reconcile sees it: checked right before every API write, and
 //! carrying a fencing token that the gate stamps on the write. Whoever runs the reconcile
 //! decides what the right rests on, how the token is stamped and how the API server's
-//! refusal of a stale token reads (sharding, in `coordination::sharded`); the reconcile
+//! refusal of a stale token reads (a sharding layer, say); the reconcile
 //! itself knows nothing of buckets, leases, assignments or fencing annotations.
 
 use std::collections::BTreeMap;

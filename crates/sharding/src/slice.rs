@@ -1,5 +1,5 @@
 //! What one replica may work on, and when it may say it let go: the pure state behind
-//! `coordination::ownership`, with time passed in.
+//! the program's ownership tracking, with time passed in.
 //!
 //! The rules, each a method here:
 //! - A bucket may be written only while it is `Owned` by us in the newest assignment we

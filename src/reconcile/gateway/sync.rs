@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::reconcile::CONTENT_ANNOTATION;
 use crate::reconcile::TrafficPolicyReconciler;
 use crate::runtime::ObjectKey;
+use crate::runtime::child_versions::ContentStamp;
 use crate::runtime::child_versions::content_hash;
 use crate::runtime::gate::WriteGate;
 
@@ -179,7 +180,7 @@ impl TrafficPolicyReconciler {
                 }));
             }
             let stamped = current["metadata"]["annotations"][CONTENT_ANNOTATION].as_str();
-            if stamped.and_then(|s| u64::from_str_radix(s, 16).ok()) == Some(content) {
+            if stamped.and_then(ContentStamp::parse) == Some(content) {
                 return Ok(Output::InPlace { written: false });
             }
         }
