@@ -38,6 +38,16 @@ fn kubectl(cp: &ControlPlane, args: &[&str]) -> (bool, String, String) {
 }
 
 /// The documents of a multi-document YAML stream, such as `kubectl kustomize` prints.
+/// Waits until the CRDs `target` names are established. `kubectl wait` fails at once on a CRD
+/// whose status has no conditions yet (just after it was created), so it is asked again.
+async fn wait_established(cp: &ControlPlane, target: &[&str]) {
+    let args = [&["wait", "--for=condition=established", "--timeout=10s"], target].concat();
+    eventually_within(Duration::from_secs(60), &format!("{target:?} established"), || async {
+        kubectl(cp, &args).0.then_some(())
+    })
+    .await
+}
+
 fn documents(yaml: &str) -> Vec<serde_json::Value> {
     serde_saphyr::from_multiple::<Option<serde_json::Value>>(yaml).unwrap().into_iter().flatten().collect()
 }
@@ -92,9 +102,7 @@ async fn the_kustomization_passes_a_server_side_dry_run_without_pod_security_war
     let (ok, _, err) = kubectl(env.cp, &["apply", "--server-side", "-f", crds.to_str().unwrap()]);
     assert!(ok, "{err}");
     for crd in ["servicemonitors.monitoring.coreos.com", "prometheusrules.monitoring.coreos.com"] {
-        let (ok, _, err) =
-            kubectl(env.cp, &["wait", "--for=condition=established", "--timeout=60s", &format!("crd/{crd}")]);
-        assert!(ok, "{err}");
+        wait_established(env.cp, &[&format!("crd/{crd}")]).await;
     }
     let (ok, out, err) = kubectl(env.cp, &["apply", "--dry-run=server", "-k", "deploy/overlays/monitoring/"]);
     assert!(ok, "dry-run of the monitoring overlay failed: {err}");

@@ -15,7 +15,7 @@ use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
 use crate::chart::helm;
 use crate::common::{Operator, eventually_within};
-use crate::kubectl;
+use crate::{kubectl, wait_established};
 
 const TENANT: &str = "shop";
 const POLICY: &str = "web-frontend";
@@ -80,8 +80,7 @@ async fn an_uninstall_keeps_the_policies_and_a_reinstall_reconciles_them() {
     let (ok, _, err) = kubectl(&cp, &["apply", "-k", "deploy/crd/"]);
     assert!(ok, "{err}");
     assert!(!err.contains("unrecognized format"), "the API server warned about the CRD: {err}");
-    let (ok, _, err) = kubectl(&cp, &["wait", "--for=condition=established", "--timeout=60s", "-f", "crds/"]);
-    assert!(ok, "{err}");
+    wait_established(&cp, &["-f", "crds/"]).await;
     let (ok, _, err) = kubectl(&cp, &["apply", "-k", "deploy/"]);
     assert!(ok, "{err}");
     let (ok, _, err) = kubectl(&cp, &["apply", "-f", "deploy/samples/web-frontend.yaml"]);
