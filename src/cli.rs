@@ -202,9 +202,10 @@ impl RunArgs {
             renew_deadline: self.renew_deadline,
             retry_period: self.retry_period,
             drain_timeout: self.drain_timeout,
-            watch_namespace: self.watch_namespace.clone(),
             balance: Balance { min_excess: self.rebalance_min_objects, ..Balance::default() },
             floor_object: ApplicationTrafficPolicy::crd_name().to_string(),
+            names: crate::coordination::NAMES,
+            version: env!("CARGO_PKG_VERSION").into(),
         })
     }
 }

@@ -12,7 +12,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use traffic_policy_operator::coordination::members::lease_state;
 use traffic_policy_operator::coordination::published::decode;
-use traffic_policy_operator::coordination::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
+use traffic_policy_operator::coordination::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX, NAMES};
 use traffic_policy_operator::sharding::assignment::{Assignment, Slot, desired};
 use traffic_policy_operator::sharding::balance::{self, Balance};
 use traffic_policy_operator::sharding::counts::Counts;
@@ -87,7 +87,7 @@ async fn check(
         .iter()
         .filter(|l| l.name_any().starts_with(MEMBER_LEASE_PREFIX))
         .filter_map(|l| {
-            let state = lease_state(l);
+            let state = lease_state(l, &NAMES);
             Some((state.holder?, state.load?))
         })
         .collect();

@@ -16,6 +16,7 @@ use kube::Client;
 use kube::api::Api;
 use serde_json::json;
 use tokio_util::task::AbortOnDropHandle;
+use traffic_policy_operator::coordination::ASSIGNMENT_CONFIGMAP;
 use traffic_policy_operator::coordination::published::record_published;
 use traffic_policy_operator::sharding::assignment::Assignment;
 use traffic_policy_operator::sharding::membership::pod_of;
@@ -127,7 +128,8 @@ pub async fn measure(
     tracker: &Arc<Mutex<Tracker>>,
 ) -> anyhow::Result<serde_json::Value> {
     let before = settled(client, args, replicas, "convergence").await?;
-    let (recorded, recorder) = record_published(Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE));
+    let (recorded, recorder) =
+        record_published(Api::<ConfigMap>::namespaced(client.clone(), OPERATOR_NAMESPACE), ASSIGNMENT_CONFIGMAP);
     let recorder = AbortOnDropHandle::new(recorder);
     tokio::time::timeout(Duration::from_secs(30), async {
         while recorded.lock().unwrap().is_empty() {

@@ -1,7 +1,7 @@
 //! The leader's labelling duty: every policy gets its bucket label, so that each replica's
 //! watches can ask the API server for its own buckets only. Where the bucket-label admission
-//! policy is installed, the API server sets the label as policies are written (see
-//! [`super::namespace_labels`]), and this labels only what came without one: policies
+//! policy is installed, the API server sets the label as policies are written (the leader
+//! labels namespaces for it, see [`super::namespace_labels`]), and this labels only what came without one: policies
 //! written before their namespace was labelled, as after a preload.
 //!
 //! A policy an unlabelled-policy watch *event* reports (created, or edited while still
@@ -14,20 +14,50 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use futures::StreamExt;
-use futures::future::join_all;
+use futures::future::{BoxFuture, join_all};
 use kube::api::{Api, PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
-use tokio_util::time::DelayQueue;
 
+use super::leader::LeaderDuties;
+use super::namespace_labels::label_namespaces;
 use super::{BACKLOG_ANNOTATION, BUCKET_LABEL};
 use crate::api::ApplicationTrafficPolicy;
-use crate::runtime::backoff::Backoff;
-use crate::sharding::bucket::{bucket_of, label_value};
+use crate::runtime::retries::Retries;
+use crate::sharding::bucket::{Mode, bucket_of, label_value};
 use crate::telemetry::metrics as m;
 
 type Key = (String, String);
+
+/// The operator's leader duties: in label mode, bucket labels on namespaces and on the
+/// policies that came without one. (With the shard selector, watches select by namespace:
+/// nothing to label.)
+pub struct BucketLabelling {
+    /// The work client, under its rate limit if one applies.
+    pub client: Client,
+    /// The operator's `--watch-namespace`.
+    pub watch_namespace: Option<String>,
+}
+
+impl LeaderDuties for BucketLabelling {
+    fn lead(&self, mode: Mode) -> Option<BoxFuture<'static, ()>> {
+        if mode != Mode::Labels {
+            return None;
+        }
+        let (client, namespace) = (self.client.clone(), self.watch_namespace.clone());
+        Some(Box::pin(async move {
+            tokio::join!(
+                label_namespaces(client.clone(), namespace.clone(), BUCKET_LABEL),
+                label_unlabeled_policies(client, namespace)
+            );
+        }))
+    }
+
+    fn stopped(&self) {
+        m::set_unlabelled(0);
+    }
+}
 
 /// Labels every policy that has no bucket label yet. Runs while leading; the selector
 /// makes the API server send only unlabelled policies, so this costs nothing at rest.
@@ -201,51 +231,6 @@ impl Pending {
 
     fn is_empty(&self) -> bool {
         self.queued.is_empty()
-    }
-}
-
-/// Keys whose labelling failed for a reason other than throttling (RBAC, a webhook): each is
-/// tried again after its own exponential backoff, so a failure that lasts never turns into
-/// a hot loop of patches. (The namespace labeller keeps one too, keyed by namespace.)
-#[derive(Default)]
-pub(super) struct Retries<K> {
-    due: DelayQueue<K>,
-    failures: HashMap<K, u32>,
-    backoff: Backoff,
-}
-
-impl<K: Clone + Eq + std::hash::Hash> Retries<K> {
-    pub(super) fn later(&mut self, key: K) {
-        let failures = self.failures.get(&key).map_or(1, |failures| failures + 1);
-        self.later_with_failures(key, failures);
-    }
-
-    /// [`Self::later`], as the `failures`-th failure in a row: for a caller that counts the
-    /// failures itself, across successes.
-    pub(super) fn later_with_failures(&mut self, key: K, failures: u32) {
-        self.failures.insert(key.clone(), failures);
-        self.due.insert(key, self.backoff.delay(failures));
-    }
-
-    pub(super) fn forget(&mut self, key: &K) {
-        self.failures.remove(key);
-    }
-
-    /// Whether `key` has failed since it last succeeded (its retry is due or pending).
-    pub(super) fn failing(&self, key: &K) -> bool {
-        self.failures.contains_key(key)
-    }
-
-    /// The next key whose backoff has passed; pending forever while none waits.
-    pub(super) async fn next_due(&mut self) -> Option<K> {
-        match std::future::poll_fn(|cx| self.due.poll_expired(cx)).await {
-            Some(expired) => Some(expired.into_inner()),
-            None => std::future::pending().await,
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.due.len()
     }
 }
 

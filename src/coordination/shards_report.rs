@@ -84,7 +84,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         );
     }
     for lease in member_leases {
-        let state = super::members::lease_state(lease);
+        let state = super::members::lease_state(lease, &super::NAMES);
         let Some(holder) = state.holder.as_deref().filter(|h| !h.is_empty()) else { continue };
         if let Some(why) = state.why_not_given(assignment.mode.as_str()) {
             println!("replica {holder} gets no buckets: {why}");

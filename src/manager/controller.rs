@@ -15,12 +15,11 @@ use kube::runtime::events::Reporter;
 use tokio_util::sync::CancellationToken;
 
 use super::CONTROLLER_NAME;
-use super::coordination::Coordination;
 use crate::cli::RunArgs;
-use crate::coordination::ShardConfig;
+use crate::coordination::audit::Audit;
 use crate::coordination::follower::slice_selector;
-use crate::coordination::labeller;
 use crate::coordination::sharded::{Sharded, bucket_of_meta};
+use crate::coordination::{BUCKET_LABEL, Coordination, NAMES, ShardConfig, labeller};
 use crate::reconcile::cached::CachedPolicy;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use crate::reconcile::events::Events;
@@ -34,7 +33,6 @@ use crate::runtime::stored::Stored as _;
 use crate::runtime::watch::ChildEvent;
 use crate::runtime::watch_health::WatchHealth;
 use crate::runtime::{Controller, Settings, watch};
-use crate::telemetry::audit::Audit;
 use crate::telemetry::metrics;
 
 /// Builds the controller and returns what runs it until `shutdown`, answering whether every
@@ -53,9 +51,9 @@ pub(super) fn start(
     // Objects fall into buckets as the API server's filter sees them, as the write gate does.
     let mode = sharding.ownership.mode();
     let slicing = Slicing::new(
-        move |meta| bucket_of_meta(meta, mode),
+        move |meta| bucket_of_meta(meta, mode, BUCKET_LABEL),
         move |namespace| mode.bucket_of(namespace),
-        move |buckets| slice_selector(mode, buckets),
+        move |buckets| slice_selector(mode, BUCKET_LABEL, buckets),
     );
     let watch_health = &sharding.watch_health;
     let policies = parts::watch(api(client, args), None, sharding.slice.clone(), slicing.clone(), watch_health.clone());
@@ -71,7 +69,7 @@ pub(super) fn start(
     let mut reconciler = TrafficPolicyReconciler::new(client.clone(), events, child_versions.clone());
     reconciler.faults = args.test_faults.clone();
     reconciler.gateway_provider = args.gateway_provider;
-    let gatekeeper = Arc::new(Sharded::new(sharding.ownership.clone(), audit.clone()));
+    let gatekeeper = Arc::new(Sharded::new(sharding.ownership.clone(), NAMES, audit.clone()));
     let settings = Settings {
         name: CONTROLLER_NAME,
         workers: args.workers.into(),

@@ -11,12 +11,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
 use crate::client::Clients;
-use crate::telemetry::audit::Audit;
+use crate::coordination::audit::Audit;
+use crate::coordination::labeller::BucketLabelling;
+use crate::coordination::tasks::Start;
+use crate::coordination::{Coordination, ShardConfig};
 use crate::telemetry::{admin, logging, metrics};
-use coordination::Coordination;
 
 mod controller;
-mod coordination;
 
 pub const CONTROLLER_NAME: &str = "applicationtrafficpolicy";
 
@@ -47,7 +48,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     // Critical tasks: if one ends before shutdown, the process ends.
     let mut critical: JoinSet<&'static str> = JoinSet::new();
-    let mut sharding = Coordination::start(&args, &shard, &clients, &health, &audit, &mut critical).await?;
+    let mut sharding = start_coordination(&args, &shard, &clients, &health, &audit, &mut critical).await?;
     let controller = controller::start(&args, &shard, &clients.work, &sharding, &health, &audit, shutdown.clone());
     tracing::info!(incarnation = %shard.incarnation, namespace = %shard.namespace, workers = args.workers, "starting");
     let metrics_auth = (args.metrics_auth == crate::cli::MetricsAuthMode::Kubernetes)
@@ -95,6 +96,32 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(ended) => anyhow::bail!("{ended}"),
         None => Ok(()),
     }
+}
+
+/// Starts this replica's part in the sharding protocol. Leases and the assignment go through
+/// the never-limited client; labelling is work.
+async fn start_coordination(
+    args: &RunArgs,
+    shard: &ShardConfig,
+    clients: &Clients,
+    health: &std::sync::Arc<admin::Health>,
+    audit: &Audit,
+    critical: &mut JoinSet<&'static str>,
+) -> anyhow::Result<Coordination> {
+    let faults = args.test_faults.clone();
+    let start = Start {
+        config: shard,
+        client: &clients.coordination,
+        mode: args.shard_mode,
+        health,
+        audit,
+        duties: std::sync::Arc::new(BucketLabelling {
+            client: clients.work.clone(),
+            watch_namespace: args.watch_namespace.clone(),
+        }),
+        follower_wrapper: Some(Box::new(move |follower| Box::pin(faults.follower(follower)))),
+    };
+    Coordination::start(start, critical).await
 }
 
 /// A client from `kubeconfig`, or from the in-cluster config or default kubeconfig.

@@ -10,6 +10,7 @@ use std::time::Duration;
 use metrics::{counter, gauge, histogram};
 
 pub use crate::runtime::metrics::count_watch_error;
+pub use crate::sharding::coordination::metrics::count_bucket_label_error;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// client-go's buckets for `rest_client_request_duration_seconds`.
@@ -59,11 +60,11 @@ fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     PROCESS.describe();
     crate::runtime::metrics::describe();
+    crate::sharding::coordination::metrics::describe();
     describe_gauge!(
         "traffic_policy_client_rate_limit_qps",
         "Requests a second the work client may make (--kube-api-qps as resolved); 0 when off."
     );
-    describe_gauge!("traffic_policy_shard_mode", "1 for the sharding mode in use: labels or shard-selector.");
     describe_counter!("rest_client_requests_total", "API requests, by method and status code.");
     describe_histogram!("rest_client_request_duration_seconds", "API request latency until the response headers.");
     describe_histogram!(
@@ -72,75 +73,11 @@ fn describe() {
     );
     describe_gauge!("traffic_policy_operator_build_info", "1, labelled with the operator's version.");
     describe_gauge!("traffic_policy_policies", "Policies of this replica's slice, by Ready status and reason.");
-    describe_counter!("traffic_policy_bucket_label_errors_total", "Failed bucket labellings (retried).");
-    describe_gauge!(
-        "traffic_policy_lease_held",
-        "1 while a renewal cycle has confirmed this replica's right to write."
-    );
-    describe_counter!(
-        "traffic_policy_lease_renewals_total",
-        "Attempts to renew the member Lease, by result (renewed, held_by_other, failed)."
-    );
-    describe_gauge!("leader_election_master_status", "1 while this replica is the leader.");
-    describe_gauge!("traffic_policy_members_alive", "Replicas this replica sees alive, from observed lease renewals.");
-    describe_gauge!(
-        "traffic_policy_members_idle",
-        "Replicas that renew their Lease but get no buckets: another sharding mode, refused watches (leader)."
-    );
-    describe_gauge!(
-        "traffic_policy_working",
-        "1 while this replica can do its work (watches not refused, renewal cycles complete); 0 gives its slice up."
-    );
-    describe_gauge!("traffic_policy_buckets_owned", "Namespace buckets this replica owns.");
-    describe_counter!("traffic_policy_bucket_handoffs_total", "Buckets acquired or released by this replica.");
-    describe_gauge!("traffic_policy_unowned_buckets", "Buckets no live replica owns (reported by the leader).");
-    describe_gauge!(
-        "traffic_policy_slice_imbalance",
-        "The largest replica's policies over the mean, from the replicas' reports (reported by the leader)."
-    );
-    describe_counter!(
-        "traffic_policy_unowned_milliseconds_total",
-        "Milliseconds during which some bucket had no live owner (leader)."
-    );
     describe_counter!("traffic_policy_bucket_labels_total", "Policies the leader labelled with their bucket.");
-    describe_counter!(
-        "traffic_policy_namespace_labels_total",
-        "Namespaces the leader labelled with their bucket, for the bucket-label admission policy."
-    );
     describe_gauge!(
         "traffic_policy_unlabelled_policies",
         "Policies waiting for their bucket label (reported by the leader; 0 elsewhere)."
     );
-}
-
-/// Sharding gauges and counters.
-pub fn set_lease_held(held: bool) {
-    gauge!("traffic_policy_lease_held").set(if held { 1.0 } else { 0.0 });
-}
-
-/// One attempt to renew the member Lease: `renewed`, `held_by_other` or `failed`.
-pub fn count_lease_renewal(result: &'static str) {
-    counter!("traffic_policy_lease_renewals_total", "result" => result).increment(1);
-}
-
-pub fn set_leader(leading: bool) {
-    gauge!("leader_election_master_status", "name" => "traffic-policy-operator").set(if leading { 1.0 } else { 0.0 });
-}
-
-pub fn set_slice_imbalance(ratio: f64) {
-    gauge!("traffic_policy_slice_imbalance").set(ratio);
-}
-
-pub fn set_members_alive(count: usize) {
-    gauge!("traffic_policy_members_alive").set(count as f64);
-}
-
-pub fn set_members_idle(count: usize) {
-    gauge!("traffic_policy_members_idle").set(count as f64);
-}
-
-pub fn set_working(working: bool) {
-    gauge!("traffic_policy_working").set(if working { 1.0 } else { 0.0 });
 }
 
 /// 1, with the operator's version: joins other series to the version that exported them.
@@ -158,28 +95,6 @@ pub fn set_client_rate_limit(qps: u32) {
     gauge!("traffic_policy_client_rate_limit_qps").set(f64::from(qps));
 }
 
-/// 1 for the sharding mode in use (`labels` or `shard-selector`).
-pub fn set_shard_mode(mode: &'static str) {
-    gauge!("traffic_policy_shard_mode", "mode" => mode).set(1.0);
-}
-
-pub fn set_buckets_owned(count: usize) {
-    gauge!("traffic_policy_buckets_owned").set(count as f64);
-}
-
-pub fn count_handoffs(released: usize, acquired: usize) {
-    counter!("traffic_policy_bucket_handoffs_total", "direction" => "released").increment(released as u64);
-    counter!("traffic_policy_bucket_handoffs_total", "direction" => "acquired").increment(acquired as u64);
-}
-
-/// Reported by the leader; `elapsed` is added to the unowned time when `unowned > 0`.
-pub fn record_unowned(unowned: usize, elapsed: Duration) {
-    gauge!("traffic_policy_unowned_buckets").set(unowned as f64);
-    if unowned > 0 {
-        counter!("traffic_policy_unowned_milliseconds_total").increment(elapsed.as_millis() as u64);
-    }
-}
-
 /// One API request: `method` is an HTTP method, `status` its code (`None`: no response).
 pub fn api_request(method: &str, status: Option<u16>, took: Duration) {
     let method = match method {
@@ -193,11 +108,6 @@ pub fn api_request(method: &str, status: Option<u16>, took: Duration) {
     let code = status.map_or_else(|| "<error>".to_string(), |code| code.to_string());
     counter!("rest_client_requests_total", "method" => method, "code" => code).increment(1);
     histogram!("rest_client_request_duration_seconds", "verb" => method).record(took);
-}
-
-/// Labelling a policy (retried) or a namespace with its bucket failed.
-pub fn count_bucket_label_error() {
-    counter!("traffic_policy_bucket_label_errors_total").increment(1);
 }
 
 /// Policies of this replica's slice by their Ready condition: `states[i]` is the
@@ -214,9 +124,4 @@ pub fn set_unlabelled(count: usize) {
 
 pub fn count_bucket_label() {
     counter!("traffic_policy_bucket_labels_total").increment(1);
-}
-
-/// The leader labelled a namespace with its bucket (for the bucket-label admission policy).
-pub fn count_namespace_label() {
-    counter!("traffic_policy_namespace_labels_total").increment(1);
 }

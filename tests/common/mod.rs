@@ -18,7 +18,7 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::OnceCell;
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
-use traffic_policy_operator::coordination::sharded::FENCE_ANNOTATION;
+use traffic_policy_operator::coordination::FENCE_ANNOTATION;
 use traffic_policy_operator::sharding::bucket::Mode;
 
 pub const DEADLINE: Duration = Duration::from_secs(60);

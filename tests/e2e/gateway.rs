@@ -11,7 +11,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
-use traffic_policy_operator::coordination::sharded::FENCE_ANNOTATION;
+use traffic_policy_operator::coordination::FENCE_ANNOTATION;
 use traffic_policy_operator::reconcile::gateway::{self, Provider, objects};
 
 use crate::support::{TestEnv, eventually, eventually_within, install_gateway_crds};

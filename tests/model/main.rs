@@ -127,9 +127,10 @@ fn landing_bound() -> u64 {
         renew_deadline: Duration::from_millis(protocol::RENEW_DEADLINE),
         retry_period: Duration::from_secs(1),
         drain_timeout: Duration::from_secs(1),
-        watch_namespace: None,
         balance: Default::default(),
         floor_object: String::new(),
+        names: traffic_policy_operator::coordination::NAMES,
+        version: String::new(),
     };
     config.landing_bound().as_millis() as u64
 }

@@ -76,7 +76,7 @@ async fn a_handoff_lists_only_the_policies_it_moves() {
         fleet.start(name).await;
     }
     fleet.converged("the initial creation").await;
-    let (recorded, recorder) = record_published(fleet.env.api::<ConfigMap>());
+    let (recorded, recorder) = record_published(fleet.env.api::<ConfigMap>(), ASSIGNMENT_CONFIGMAP);
     let (two, at_two) = settled(&fleet, &recorded, "two replicas").await;
     fleet.start("r-2").await;
     let (three, at_three) = settled(&fleet, &recorded, "scaling to 3").await;

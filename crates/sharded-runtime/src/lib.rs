@@ -6,7 +6,8 @@
 //! and call a [`reconciler::Reconciler`] that writes through it. What each watch event means
 //! to the controller is decided by two state machines, [`primary_feed`] and [`child_feed`],
 //! which return commands and are table-tested without a watch. Beside them: [`error`],
-//! [`health`] (readiness gates), [`metrics`] and [`client`]. Which buckets are this process's, and what
+//! [`health`] (readiness gates), [`metrics`], [`client`] and [`retries`] (per-key backoff for
+//! work outside the queue). Which buckets are this process's, and what
 //! the gate rests on, come from outside: the runtime knows no Lease and no business object.
 //!
 //! Why not kube-runtime's `Controller` (`for_stream`, `owns_stream`, `graceful_shutdown_on`)?
@@ -43,6 +44,7 @@ pub mod predicate;
 pub mod primary_feed;
 pub mod queue;
 pub mod reconciler;
+pub mod retries;
 pub mod stored;
 pub mod watch;
 pub mod watch_health;

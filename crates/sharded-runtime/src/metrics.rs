@@ -14,6 +14,7 @@ use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gau
 
 /// The names of the metrics that carry the program's prefix, fixed at the first use.
 struct Names {
+    prefix: &'static str,
     cached_objects: &'static str,
     cache_synced: &'static str,
     watch_errors: &'static str,
@@ -27,6 +28,7 @@ impl Names {
         // Made once per process: the `metrics` macros then take the names without copying.
         let name = |suffix: &str| -> &'static str { Box::leak(format!("{prefix}_{suffix}").into_boxed_str()) };
         Self {
+            prefix: Box::leak(prefix.into()),
             cached_objects: name("cached_objects"),
             cache_synced: name("cache_synced"),
             watch_errors: name("watch_errors_total"),
@@ -40,6 +42,11 @@ impl Names {
 /// set). Call it before anything records; later calls change nothing.
 pub fn set_prefix(prefix: &str) {
     let _ = NAMES.set(Names::with_prefix(prefix));
+}
+
+/// The prefix set by [`set_prefix`]: for the metrics of other crates built on the runtime.
+pub fn prefix() -> &'static str {
+    names().prefix
 }
 
 fn names() -> &'static Names {

@@ -1,19 +1,19 @@
-//! The example controller (examples/greeter.rs) as two members on the real control plane:
+//! The example controller (examples/greeter/) as two members on the real control plane:
 //! each greeting gets its ConfigMap from the member whose slice holds its namespace, and an
 //! edit of a greeting's spec reaches its ConfigMap.
 
-#[path = "../examples/greeter.rs"]
+#[path = "../examples/greeter/main.rs"]
 mod greeter;
 
 use std::time::Duration;
 
 use controlplane::ControlPlane;
+use controlplane::poll::eventually;
 use greeter::{Greeting, GreetingSpec, MEMBER_ANNOTATION};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, CustomResourceExt, ResourceExt};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 const MEMBERS: [&str; 2] = ["a", "b"];
@@ -22,18 +22,6 @@ const MEMBERS: [&str; 2] = ["a", "b"];
 fn owner(namespace: &str) -> &'static str {
     let bucket = greeter::bucket_of(namespace);
     MEMBERS.into_iter().find(|m| greeter::slice_of(m, &MEMBERS).contains(&bucket)).expect("every bucket has an owner")
-}
-
-/// Polls `check` until it returns `Some`, or fails with what it last saw after `within`.
-async fn eventually<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Result<T, String>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        match check().await {
-            Ok(found) => return found,
-            Err(seen) if Instant::now() >= deadline => panic!("{what}: not within {within:?}; last seen: {seen}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
-    }
 }
 
 /// Cancels the members when the test ends, pass or fail.

@@ -1,4 +1,5 @@
-//! Sharding decisions, pure and clock-free (`now` is passed in), tested without a cluster:
+//! Sharding for controllers built on `sharded_runtime`. The decisions are pure and
+//! clock-free (`now` is passed in), tested without a cluster:
 //! - [`bucket`]: namespace → bucket in either mode, and the label selector of a set of them;
 //! - [`shard_range`]: buckets as hash ranges for the API server's shard selector;
 //! - [`ring`]: buckets → members by consistent hashing with bounded loads;
@@ -10,13 +11,16 @@
 //!   safe transitions (revoke before reassign);
 //! - [`mod@slice`]: what this replica may write right now, and when it may say it let go.
 //!
-//! The side effects of the protocol (leases, the leader, applying an assignment) are the
-//! program's: traffic-policy-operator's `coordination` module runs them. Nothing here names
-//! a Kubernetes object, label or annotation.
+//!
+//! [`coordination`] carries them out on a real API server: member Leases, the leader, the
+//! published assignment, the follower that applies it, and the gatekeeper a
+//! `sharded_runtime` controller writes through. The pure modules name no Kubernetes object,
+//! and the coordination names only what the program passes in ([`coordination::Names`]).
 
 pub mod assignment;
 pub mod balance;
 pub mod bucket;
+pub mod coordination;
 pub mod counts;
 pub mod membership;
 pub mod ring;

@@ -19,6 +19,7 @@ pub mod gateway;
 pub mod gateway_timeout;
 mod identity;
 pub mod manifests;
+pub mod poll;
 mod ports;
 pub mod process;
 pub mod proxy;

@@ -1,7 +1,7 @@
 //! Leader election and the leader's singleton duties: publishing the assignment (in this
-//! process's sharding mode: a change of mode revokes every bucket first), bucket labels in
-//! label mode (see [`super::namespace_labels`] and [`super::labeller`]) and collecting
-//! abandoned member Leases.
+//! process's sharding mode: a change of mode revokes every bucket first), collecting
+//! abandoned member Leases, and the program's own ([`LeaderDuties`]: bucket labels in label
+//! mode, as [`super::namespace_labels`] puts them on namespaces).
 //!
 //! The leader is elected with kube-leader-election's `LeaseLock`, with the incarnation as
 //! holder. That library can let two candidates believe they won for a moment, so nothing
@@ -11,12 +11,13 @@
 //! - a bucket leaves its owner only through a revocation that the owner acknowledged, or
 //!   that has aged past what the owner can still do (see `sharding::assignment`), so a
 //!   wrong view of who is alive costs time, never safety;
-//! - labelling a policy with its bucket writes the same value whoever does it.
+//! - labelling an object with its bucket writes the same value whoever does it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
@@ -26,27 +27,44 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::epoch_floor::EpochFloor;
-use super::labeller::label_unlabeled_policies;
 use super::members::{Members, lease_state};
-use super::namespace_labels::label_namespaces;
+use super::metrics as m;
 use super::ownership::Ownership;
 use super::published::AssignmentView;
-use super::{ASSIGNMENT_CONFIGMAP, LEADER_LEASE, MEMBER_LEASE_PREFIX, Replica, ShardConfig};
-use crate::sharding::assignment::{
+use super::{Replica, ShardConfig};
+use crate::assignment::{
     Assignment, DrainFacts, Slot, may_reassign, next_assignment, starting_point, track_revocations, vacate,
 };
-use crate::sharding::balance::{self, Steadiness};
-use crate::sharding::bucket::Mode;
-use crate::sharding::counts::Counts;
-use crate::sharding::membership::{Liveness, pod_of};
-use crate::telemetry::metrics as m;
+use crate::balance::{self, Steadiness};
+use crate::bucket::Mode;
+use crate::counts::Counts;
+use crate::membership::{Liveness, pod_of};
 
 /// A member Lease unchanged for this many lease durations is left over from a pod that is
 /// gone (scaled in, renamed), and the leader deletes it.
 const ABANDONED_AFTER_LEASES: u32 = 20;
 
+/// What a program's leader does beside publishing the assignment, while it leads.
+pub trait LeaderDuties: Send + Sync + 'static {
+    /// Started when this replica becomes the leader, in its sharding mode; aborted when it
+    /// stops leading.
+    fn lead(&self, mode: Mode) -> Option<BoxFuture<'static, ()>>;
+
+    /// After this replica stopped leading: resets what the duties report.
+    fn stopped(&self) {}
+}
+
+/// A leader with no duties beyond the assignment.
+pub struct NoDuties;
+
+impl LeaderDuties for NoDuties {
+    fn lead(&self, _: Mode) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+}
+
 pub struct Leader {
-    labeller_client: Client,
+    duties: Arc<dyn LeaderDuties>,
     lock: LeaseLock,
     config: ShardConfig,
     ownership: Arc<Ownership>,
@@ -62,28 +80,27 @@ pub struct Leader {
     confirmed_silent: Mutex<BTreeSet<(String, u64)>>,
     /// When we last planned, for the unowned-time counter.
     last_planned: Mutex<Option<Instant>>,
-    /// Whether the policy counts the replicas report have held still.
+    /// Whether the object counts the replicas report have held still.
     steadiness: Mutex<Steadiness>,
     /// The renewing members given nothing, as last logged.
     idle_logged: Mutex<BTreeMap<String, String>>,
 }
 
 impl Leader {
-    /// `client` for coordination; `labeller_client` (the work client, under its rate limit if
-    /// one applies) for labelling policies.
-    pub fn new(client: Client, labeller_client: Client, replica: &Replica, members: Arc<Members>) -> Self {
+    /// Campaigns with `client`, which should be exempt from any client-side rate limit.
+    pub fn new(client: Client, replica: &Replica, members: Arc<Members>, duties: Arc<dyn LeaderDuties>) -> Self {
         let Replica { config, ownership, view } = replica.clone();
         let params = LeaseLockParams {
-            lease_name: LEADER_LEASE.into(),
+            lease_name: config.names.leader_lease.into(),
             holder_id: config.incarnation.clone(),
             lease_ttl: config.lease_duration,
         };
         Self {
             lock: LeaseLock::new(client.clone(), &config.namespace, params),
             configmaps: Api::namespaced(client.clone(), &config.namespace),
-            floor: EpochFloor::new(client.clone(), &config.floor_object),
+            floor: EpochFloor::new(client.clone(), &config.floor_object, config.names.floor_annotation),
             leases: Api::namespaced(client, &config.namespace),
-            labeller_client,
+            duties,
             config,
             ownership,
             members,
@@ -100,7 +117,7 @@ impl Leader {
     pub async fn run(&self, stop: CancellationToken) -> bool {
         let mut leading_until: Option<Instant> = None;
         let mut next_attempt = Instant::now();
-        let mut labelling: Option<tokio::task::JoinHandle<()>> = None;
+        let mut duties: Option<tokio::task::JoinHandle<()>> = None;
         let mut was_leading = false;
         let mut members_changed = self.members.subscribe();
         let mut view_changed = self.view.subscribe();
@@ -119,29 +136,20 @@ impl Leader {
                 }
             }
             let leading = self.leading(leading_until);
-            m::set_leader(leading);
+            m::set_leader(self.config.names.program, leading);
             if leading {
                 if !was_leading {
                     tracing::info!("became the leader");
-                    // With the shard selector, watches select by namespace: nothing to label.
-                    if self.ownership.mode() == Mode::Labels {
-                        let (client, namespace) = (self.labeller_client.clone(), self.config.watch_namespace.clone());
-                        labelling = Some(tokio::spawn(async move {
-                            tokio::join!(
-                                label_namespaces(client.clone(), namespace.clone()),
-                                label_unlabeled_policies(client, namespace)
-                            );
-                        }));
-                    }
+                    duties = self.duties.lead(self.ownership.mode()).map(tokio::spawn);
                 }
                 self.publish(None).await;
                 self.collect_abandoned().await;
             } else if was_leading {
                 tracing::info!("no longer the leader");
-                if let Some(task) = labelling.take() {
+                if let Some(task) = duties.take() {
                     task.abort();
                 }
-                m::set_unlabelled(0);
+                self.duties.stopped();
                 m::set_slice_imbalance(0.0);
             }
             was_leading = leading;
@@ -150,7 +158,7 @@ impl Leader {
                 _ = members_changed.changed() => {}
                 _ = view_changed.changed() => {}
                 _ = stop.cancelled() => {
-                    if let Some(task) = labelling.take() {
+                    if let Some(task) = duties.take() {
                         task.abort();
                     }
                     return self.leading(leading_until);
@@ -172,7 +180,7 @@ impl Leader {
             Ok(Err(error)) => tracing::warn!(%error, "stepping down failed"),
             Err(_) => tracing::warn!("stepping down timed out"),
         }
-        m::set_leader(false);
+        m::set_leader(self.config.names.program, false);
     }
 
     /// Plans and publishes until nothing more can change now: a revocation whose owner is
@@ -189,10 +197,8 @@ impl Leader {
     async fn next(&self, leaving: Option<&str>) -> Option<(Assignment, Option<String>)> {
         let me = &self.config.incarnation;
         let now = Instant::now();
-        let current_view = self
-            .members
-            .with(|table| table.since_last_change(pod_of(me), now).is_some_and(|d| d < self.config.renew_deadline));
-        if !self.members.synced() || (leaving.is_none() && !current_view) {
+        let own_renewal_seen = self.members.with(|table| table.since_last_change(pod_of(me), now));
+        if !fit_to_plan(self.members.synced(), leaving.is_some(), own_renewal_seen, self.config.renew_deadline) {
             tracing::debug!("member view is incomplete or stale; not planning");
             return None;
         }
@@ -282,9 +288,9 @@ impl Leader {
         let oversized = balance::oversized(&observed, receivers.len());
         tracing::info!(
             imbalance = format!("{imbalance:.2}"),
-            policies = total,
+            objects = total,
             ?oversized,
-            "balancing slices by their policies"
+            "balancing slices by their objects"
         );
         Some(rebalanced)
     }
@@ -310,11 +316,11 @@ impl Leader {
                 continue;
             }
             let Some(marker) = self.members.with(|t| t.silent(&from, now)) else { continue };
-            let name = format!("{MEMBER_LEASE_PREFIX}{}", pod_of(&from));
+            let name = format!("{}{}", self.config.names.member_lease_prefix, pod_of(&from));
             // Deleted, unreadable or slow: the revocation's clock decides instead.
             let read = tokio::time::timeout(self.config.renew_deadline, self.leases.get_opt(&name)).await;
             if let Ok(Ok(Some(lease))) = read {
-                let state = lease_state(&lease);
+                let state = lease_state(&lease, &self.config.names);
                 if state.holder.as_deref() == Some(&from) && state.renew_marker.unwrap_or_default() == marker {
                     tracing::info!(member = %from, since, "confirmed silent since before its revocation");
                     self.lock_confirmed().insert((from, since));
@@ -336,7 +342,7 @@ impl Leader {
         }
         let cm = ConfigMap {
             metadata: ObjectMeta {
-                name: Some(ASSIGNMENT_CONFIGMAP.into()),
+                name: Some(self.config.names.assignment_configmap.into()),
                 namespace: Some(self.config.namespace.clone()),
                 resource_version: resource_version.clone(),
                 ..Default::default()
@@ -345,7 +351,9 @@ impl Leader {
             ..Default::default()
         };
         let written = match &resource_version {
-            Some(_) => self.configmaps.replace(ASSIGNMENT_CONFIGMAP, &PostParams::default(), &cm).await,
+            Some(_) => {
+                self.configmaps.replace(self.config.names.assignment_configmap, &PostParams::default(), &cm).await
+            }
             None => self.configmaps.create(&PostParams::default(), &cm).await,
         };
         let overwrote_copy = self.view.get().is_some_and(|p| p.republish) && resource_version.is_some();
@@ -388,9 +396,9 @@ impl Leader {
             t.abandoned(after, Instant::now()).into_iter().map(|pod| (t.renew_marker(&pod), pod)).collect::<Vec<_>>()
         });
         for (marker, pod) in abandoned {
-            let name = format!("{MEMBER_LEASE_PREFIX}{pod}");
+            let name = format!("{}{pod}", self.config.names.member_lease_prefix);
             let Ok(Some(lease)) = self.leases.get_opt(&name).await else { continue };
-            if lease_state(&lease).renew_marker != marker {
+            if lease_state(&lease, &self.config.names).renew_marker != marker {
                 continue;
             }
             let preconditions = Preconditions { uid: lease.uid(), resource_version: lease.resource_version() };
@@ -400,5 +408,30 @@ impl Leader {
                 Err(error) => tracing::debug!(%error, lease = %name, "could not delete an abandoned member lease"),
             }
         }
+    }
+}
+
+/// Whether the member view is good enough to plan from: the member watch has listed, and it
+/// is current, since it showed our own Lease renewed within a renew deadline (a leader cut
+/// off from the watch would plan on a stale picture). On the way out, after our own Lease
+/// was released, only the listing counts.
+fn fit_to_plan(synced: bool, leaving: bool, own_renewal_seen: Option<Duration>, renew_deadline: Duration) -> bool {
+    let current = own_renewal_seen.is_some_and(|ago| ago < renew_deadline);
+    synced && (leaving || current)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_leader_plans_only_from_a_listed_and_current_member_view() {
+        let (deadline, s) = (Duration::from_secs(10), Duration::from_secs);
+        assert!(fit_to_plan(true, false, Some(s(2)), deadline));
+        assert!(!fit_to_plan(false, false, Some(s(2)), deadline), "the member watch has not listed");
+        assert!(!fit_to_plan(true, false, Some(s(10)), deadline), "our own renewal not seen for a renew deadline");
+        assert!(!fit_to_plan(true, false, None, deadline), "our own Lease never seen");
+        assert!(fit_to_plan(true, true, None, deadline), "handing over after our Lease was released");
+        assert!(!fit_to_plan(false, true, None, deadline), "but never before the listing");
     }
 }

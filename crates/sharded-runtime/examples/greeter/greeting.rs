@@ -1,18 +1,7 @@
-//! A second controller on the runtime, sharded by the `sharding` crate: for each `Greeting`
-//! (`example.com/v1`), a ConfigMap `<name>-greeting` that says hello to `spec.name`.
-//!
-//! Run one process per member. Each reconciles only the namespaces whose buckets the ring
-//! gives it among the members, and its watches ask the API server for those namespaces
-//! only (a shard selector; a server without them sends everything, and the runtime drops
-//! what is not the member's). The members are fixed here, so no bucket ever moves and the
-//! gate is [`Unguarded`]; traffic-policy-operator adds Leases, handoffs and fencing on top
-//! of the same pieces.
-//!
-//! ```sh
-//! cargo run -q -p sharded-runtime --example greeter -- crd | kubectl apply -f -
-//! cargo run -p sharded-runtime --example greeter -- run a a,b &   # member a of a and b
-//! cargo run -p sharded-runtime --example greeter -- run b a,b &
-//! ```
+//! The greeter's business half, shared by the runtime's example (fixed members) and the
+//! sharding crate's (members with Leases): a `Greeting` (`example.com/v1`) and the ConfigMap
+//! `<name>-greeting` that says hello to its `spec.name`, written through whatever gate the
+//! member's gatekeeper gives.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +11,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, ObjectMeta, PartialObjectMeta, Patch, PatchParams};
 use kube::core::Request;
-use kube::{Client, CustomResource, CustomResourceExt, Resource, ResourceExt};
+use kube::{Client, CustomResource, Resource, ResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use sharded_runtime::backoff::Backoff;
@@ -30,12 +19,9 @@ use sharded_runtime::child_versions::{ChildVersions, ContentStamp, content_hash}
 use sharded_runtime::error::Result;
 use sharded_runtime::gate::{WriteGate, bounded, with_server_timeout};
 use sharded_runtime::health::Health;
-use sharded_runtime::parts::{self, Buckets, SliceSelector, Slicing};
-use sharded_runtime::reconciler::Unguarded;
+use sharded_runtime::parts::{self, SliceWatch, Slicing};
 use sharded_runtime::watch_health::WatchHealth;
-use sharded_runtime::{Action, Controller, ObjectKey, Reconciler, Settings, cache, watch};
-use sharding::bucket::{Bucket, Mode};
-use sharding::{ring::Ring, shard_range};
+use sharded_runtime::{Action, Controller, Gatekeeper, ObjectKey, Reconciler, Settings, cache, watch};
 use tokio_util::sync::CancellationToken;
 
 #[derive(CustomResource, Clone, Debug, Deserialize, Serialize, JsonSchema)]
@@ -49,27 +35,20 @@ pub const MEMBER_ANNOTATION: &str = "example.com/member";
 const CHILD_LABEL: &str = "example.com/greeting";
 const STAMP: ContentStamp = ContentStamp { annotation: "example.com/content", field_manager: "greeter" };
 
-/// The buckets `member` owns among `members`: the same on every member.
-pub fn slice_of(member: &str, members: &[&str]) -> Buckets {
-    let ring = Ring::new(members);
-    let owners = ring.assign_names();
-    (0..).zip(owners).filter(|(_, owner)| *owner == Some(member)).map(|(bucket, _)| bucket).collect()
-}
-
-/// A namespace's bucket, as the API server's shard selector hashes it.
-pub fn bucket_of(namespace: &str) -> Bucket {
-    Mode::ShardSelector.bucket_of(namespace)
+/// One member's controller: the slice it follows, how objects fall into buckets, and who
+/// says whether it may write.
+pub struct Member<G> {
+    pub name: String,
+    pub slice: SliceWatch,
+    pub slicing: Slicing,
+    pub health: Arc<Health>,
+    pub watch_health: Arc<WatchHealth>,
+    pub gatekeeper: Arc<G>,
 }
 
 /// Runs `member`'s controller until `shutdown`; returns whether it drained.
-pub async fn run(client: Client, member: &str, members: &[&str], shutdown: CancellationToken) -> bool {
-    let (_keep_slice, slice) = tokio::sync::watch::channel(Some(slice_of(member, members)));
-    let slicing = Slicing::new(
-        |meta| Some(bucket_of(meta.namespace.as_deref().unwrap_or_default())),
-        bucket_of,
-        |buckets| shard_range::selector(buckets).map(SliceSelector::Shards),
-    );
-    let watch_health = WatchHealth::new();
+pub async fn run_controller<G: Gatekeeper>(client: Client, member: Member<G>, shutdown: CancellationToken) -> bool {
+    let Member { name, slice, slicing, health, watch_health, gatekeeper } = member;
     let greetings = parts::watch(Api::<Greeting>::all(client.clone()), None, slice.clone(), slicing.clone(), {
         watch_health.clone()
     });
@@ -93,10 +72,9 @@ pub async fn run(client: Client, member: &str, members: &[&str], shutdown: Cance
         list_deadline: Duration::from_secs(60),
         backoff: Backoff::default(),
     };
-    let controller = Controller::new(settings, cache, Health::with_gates(&[]), watch_health);
-    let greeter = Arc::new(Greeter { client, member: member.to_string(), versions: versions.clone() });
-    let gate = Arc::new(Unguarded { write_bound: Duration::from_secs(10) });
-    controller.run(primary, children, slice, versions, greeter, gate, shutdown).await
+    let controller = Controller::new(settings, cache, health, watch_health);
+    let greeter = Arc::new(Greeter { client, member: name, versions: versions.clone() });
+    controller.run(primary, children, slice, versions, greeter, gatekeeper, shutdown).await
 }
 
 struct Greeter {
@@ -159,26 +137,4 @@ fn greeting_of(key: &ObjectKey, greeting: &Greeting, member: &str) -> ConfigMap 
         data: Some([("greeting".to_string(), format!("hello, {}", greeting.spec.name))].into()),
         ..Default::default()
     }
-}
-
-#[cfg_attr(test, allow(dead_code))]
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
-        ["crd"] => println!("{}", serde_json::to_string_pretty(&Greeting::crd())?),
-        ["run", member, members] => {
-            let members: Vec<&str> = members.split(',').collect();
-            anyhow::ensure!(members.contains(member), "{member} is not one of the members {members:?}");
-            let shutdown = CancellationToken::new();
-            let stop = shutdown.clone();
-            tokio::spawn(async move {
-                let _ = tokio::signal::ctrl_c().await;
-                stop.cancel();
-            });
-            run(Client::try_default().await?, member, &members, shutdown).await;
-        }
-        _ => anyhow::bail!("usage: greeter crd | greeter run MEMBER MEMBER,MEMBER,..."),
-    }
-    Ok(())
 }

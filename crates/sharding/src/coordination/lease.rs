@@ -26,14 +26,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::load::LoadReport;
+use super::metrics as m;
 use super::ownership::Ownership;
 use super::published::{AssignmentView, decode};
-use super::{
-    ACK_ANNOTATION, ASSIGNMENT_CONFIGMAP, LOAD_ANNOTATION, MODE_ANNOTATION, NOT_WORKING_ANNOTATION, Replica,
-    SEEN_ANNOTATION, ShardConfig, VERSION_ANNOTATION,
-};
-use crate::runtime::watch_health::WatchHealth;
-use crate::telemetry::metrics as m;
+use super::{Replica, ShardConfig};
+use sharded_runtime::watch_health::WatchHealth;
 
 /// Renewal cycles in a row that could not read the assignment before a member says it
 /// cannot work: it would hold its slice without being able to act on it.
@@ -92,13 +89,7 @@ impl MemberLease {
     /// Why this replica cannot do its work, if it cannot: advertised on the Lease, where the
     /// leader reads it and gives the slice to others.
     fn not_working(&self) -> Option<String> {
-        let failed_reads = self.failed_reads.load(Ordering::Relaxed);
-        let cycles = (failed_reads >= FAILED_READS_BEFORE_NOT_WORKING)
-            .then(|| format!("the last {failed_reads} renewal cycles could not read the assignment"));
-        match (self.watch_health.broken(), cycles) {
-            (Some(watches), Some(cycles)) => Some(format!("{watches}; {cycles}")),
-            (watches, cycles) => watches.or(cycles),
-        }
+        not_working(self.watch_health.broken(), self.failed_reads.load(Ordering::Relaxed))
     }
 
     /// Runs renewal cycles every retry period (and at once for a new acknowledgement) until `stop`.
@@ -150,8 +141,11 @@ impl MemberLease {
             }
         }
         // The quorum read that completes the cycle: only now may the deadline move.
-        let read =
-            tokio::time::timeout(self.config.renew_deadline, self.configmaps.get_opt(ASSIGNMENT_CONFIGMAP)).await;
+        let read = tokio::time::timeout(
+            self.config.renew_deadline,
+            self.configmaps.get_opt(self.config.names.assignment_configmap),
+        )
+        .await;
         match read {
             Ok(Ok(_)) => self.failed_reads.store(0, Ordering::Relaxed),
             _ => drop(self.failed_reads.fetch_add(1, Ordering::Relaxed)),
@@ -221,25 +215,26 @@ impl MemberLease {
         }
         spec.renew_time = Some(now);
         spec.lease_duration_seconds = Some(self.config.lease_duration.as_secs() as i32);
+        let names = &self.config.names;
         let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
         let ack = *self.ack.borrow();
         if ack > 0 {
-            annotations.insert(ACK_ANNOTATION.into(), ack.to_string());
+            annotations.insert(names.ack_annotation.into(), ack.to_string());
         }
         let seen = self.ownership.generation();
         if seen > 0 {
-            annotations.insert(SEEN_ANNOTATION.into(), seen.to_string());
+            annotations.insert(names.seen_annotation.into(), seen.to_string());
         }
-        annotations.insert(MODE_ANNOTATION.into(), self.ownership.mode().as_str().into());
-        annotations.insert(VERSION_ANNOTATION.into(), env!("CARGO_PKG_VERSION").into());
+        annotations.insert(names.mode_annotation.into(), self.ownership.mode().as_str().into());
+        annotations.insert(names.version_annotation.into(), self.config.version.clone());
         match self.not_working() {
-            Some(why) => annotations.insert(NOT_WORKING_ANNOTATION.into(), why),
-            None => annotations.remove(NOT_WORKING_ANNOTATION),
+            Some(why) => annotations.insert(names.not_working_annotation.into(), why),
+            None => annotations.remove(names.not_working_annotation),
         };
         // Never a previous incarnation's report under our name.
         match self.load.latest() {
-            Some(load) => annotations.insert(LOAD_ANNOTATION.into(), load),
-            None => annotations.remove(LOAD_ANNOTATION),
+            Some(load) => annotations.insert(names.load_annotation.into(), load),
+            None => annotations.remove(names.load_annotation),
         };
         let result = if create {
             self.leases.create(&PostParams::default(), &lease).await
@@ -306,9 +301,31 @@ impl ForeignHold {
     }
 }
 
+/// Why a replica whose watches are `broken` (if they are), and whose last `failed_reads`
+/// renewal cycles could not read the assignment, cannot do its work.
+fn not_working(broken: Option<String>, failed_reads: u32) -> Option<String> {
+    let cycles = (failed_reads >= FAILED_READS_BEFORE_NOT_WORKING)
+        .then(|| format!("the last {failed_reads} renewal cycles could not read the assignment"));
+    match (broken, cycles) {
+        (Some(watches), Some(cycles)) => Some(format!("{watches}; {cycles}")),
+        (watches, cycles) => watches.or(cycles),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replica_is_not_working_with_refused_watches_or_unread_assignments() {
+        assert_eq!(not_working(None, 0), None);
+        assert_eq!(not_working(None, FAILED_READS_BEFORE_NOT_WORKING - 1), None, "a read or two may fail");
+        let cycles = "the last 3 renewal cycles could not read the assignment";
+        assert_eq!(not_working(None, 3).as_deref(), Some(cycles));
+        let refused = "the NetworkPolicy watch is refused".to_string();
+        assert_eq!(not_working(Some(refused.clone()), 0), Some(refused.clone()));
+        assert_eq!(not_working(Some(refused.clone()), 3), Some(format!("{refused}; {cycles}")), "both reasons");
+    }
 
     fn renewal(second: i64) -> Option<MicroTime> {
         Some(MicroTime(k8s_openapi::jiff::Timestamp::from_second(second).unwrap()))

@@ -1,12 +1,13 @@
-//! The floor under every assignment generation, kept where it outlives the operator's own
-//! namespace: an annotation on the CustomResourceDefinition of the objects we shard.
+//! The floor under every assignment generation, kept where it outlives the program's own
+//! namespace: an annotation ([`Names::floor_annotation`](super::Names)) on the
+//! CustomResourceDefinition of the objects we shard.
 //!
-//! Generations are fencing epochs, stamped on the policies and their children. Those live
-//! exactly as long as the CRD, while the assignment and the Leases live in the operator's
+//! Generations are fencing epochs, stamped on the sharded objects and their children. Those
+//! live exactly as long as the CRD, while the assignment and the Leases live in the program's
 //! namespace, which a reinstall, a namespace move or a restore may lose or roll back. A
 //! leader therefore reserves generations on the CRD in blocks before it publishes one of
 //! them, and an assignment published anew starts above the reservation: above every token
-//! any install of the operator can have written. One write per [`BLOCK`] generations.
+//! any install of the program can have written. One write per [`BLOCK`] generations.
 
 use std::sync::Mutex;
 
@@ -14,16 +15,14 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 
-/// On the CRD: the highest generation any leader may have published.
-pub const FLOOR_ANNOTATION: &str = "trafficpolicy.dev/reserved-generation";
 /// How many generations one write of the reservation covers.
 pub const BLOCK: u64 = 1000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FloorError {
     #[error(
-        "reading or raising the generation floor on CustomResourceDefinition {object} failed (the operator needs get and \
-         patch on it, see deploy/base/clusterrole.yaml): {source}"
+        "reading or raising the generation floor on CustomResourceDefinition {object} failed (this process needs get and \
+         patch on it): {source}"
     )]
     Api { object: String, source: Box<kube::Error> },
     #[error("the generation floor on CustomResourceDefinition {0} is not a number")]
@@ -33,14 +32,15 @@ pub enum FloorError {
 pub struct EpochFloor {
     crds: Api<CustomResourceDefinition>,
     object: String,
+    annotation: &'static str,
     /// The reservation as last read or written; `None` until first read.
     reserved: Mutex<Option<u64>>,
 }
 
 impl EpochFloor {
-    /// The floor kept on CRD `object`.
-    pub fn new(client: Client, object: &str) -> Self {
-        Self { crds: Api::all(client), object: object.to_string(), reserved: Mutex::new(None) }
+    /// The floor kept on CRD `object`, in its `annotation`.
+    pub fn new(client: Client, object: &str, annotation: &'static str) -> Self {
+        Self { crds: Api::all(client), object: object.to_string(), annotation, reserved: Mutex::new(None) }
     }
 
     /// The highest generation reserved so far, by any install.
@@ -60,13 +60,13 @@ impl EpochFloor {
                 return Ok(());
             }
             let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
-            let stored = parse(&crd, &self.object)?;
+            let stored = self.parse(&crd)?;
             let next = stored.max(generation.saturating_add(BLOCK));
             // The resourceVersion makes this a compare-and-swap: two leaders at once never lower it.
             let patch = serde_json::json!({
                 "metadata": {
                     "resourceVersion": crd.resource_version(),
-                    "annotations": { FLOOR_ANNOTATION: next.to_string() },
+                    "annotations": { self.annotation: next.to_string() },
                 }
             });
             match self.crds.patch(&self.object, &PatchParams::default(), &Patch::Merge(&patch)).await {
@@ -86,7 +86,7 @@ impl EpochFloor {
 
     async fn read(&self) -> Result<u64, FloorError> {
         let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
-        let reserved = parse(&crd, &self.object)?;
+        let reserved = self.parse(&crd)?;
         *self.lock() = Some(reserved);
         Ok(reserved)
     }
@@ -98,11 +98,11 @@ impl EpochFloor {
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<u64>> {
         self.reserved.lock().unwrap_or_else(|p| p.into_inner())
     }
-}
 
-fn parse(crd: &CustomResourceDefinition, object: &str) -> Result<u64, FloorError> {
-    match crd.annotations().get(FLOOR_ANNOTATION) {
-        None => Ok(0),
-        Some(value) => value.parse().map_err(|_| FloorError::Malformed(object.to_string())),
+    fn parse(&self, crd: &CustomResourceDefinition) -> Result<u64, FloorError> {
+        match crd.annotations().get(self.annotation) {
+            None => Ok(0),
+            Some(value) => value.parse().map_err(|_| FloorError::Malformed(self.object.clone())),
+        }
     }
 }

@@ -5,31 +5,51 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use kube::Client;
+use sharded_runtime::health::Health;
+use sharded_runtime::parts::SliceWatch;
+use sharded_runtime::watch_health::WatchHealth;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::RunArgs;
-use crate::client::Clients;
-use crate::coordination::follower::Follower;
-use crate::coordination::leader::Leader;
-use crate::coordination::lease::MemberLease;
-use crate::coordination::load::LoadReport;
-use crate::coordination::members::Members;
-use crate::coordination::ownership::Ownership;
-use crate::coordination::published::AssignmentView;
-use crate::coordination::{Replica, ShardConfig};
-use crate::runtime::health::Health;
-use crate::runtime::parts::SliceWatch;
-use crate::runtime::watch_health::WatchHealth;
-use crate::telemetry::audit::Audit;
+use super::audit::Audit;
+use super::follower::Follower;
+use super::leader::{Leader, LeaderDuties};
+use super::lease::MemberLease;
+use super::load::LoadReport;
+use super::members::Members;
+use super::mode::{self, Requested};
+use super::ownership::Ownership;
+use super::published::AssignmentView;
+use super::{Replica, ShardConfig};
 
-pub(super) struct Coordination {
+/// Wraps a protocol task's future (a test can make it fail).
+pub type TaskWrapper = Box<dyn FnOnce(BoxFuture<'static, ()>) -> BoxFuture<'static, ()> + Send>;
+
+/// What [`Coordination::start`] needs.
+pub struct Start<'a> {
+    pub config: &'a ShardConfig,
+    /// For Leases and the assignment: exempt from any client-side rate limit, since a
+    /// throttled renewal costs the whole slice.
+    pub client: &'a Client,
+    pub mode: Requested,
+    /// Readiness: the gates `members` and `assignment`.
+    pub health: &'a Arc<Health>,
+    pub audit: &'a Audit,
+    /// What the leader does beside publishing the assignment.
+    pub duties: Arc<dyn LeaderDuties>,
+    /// Wraps the follower task, if given.
+    pub follower_wrapper: Option<TaskWrapper>,
+}
+
+pub struct Coordination {
     pub ownership: Arc<Ownership>,
     /// The buckets this replica owns, for the watches.
     pub slice: SliceWatch,
-    /// This replica's policies per bucket, reported on its Lease.
+    /// This replica's objects per bucket, reported on its Lease (counted by [`LoadReport::keep`]).
     pub load: Arc<LoadReport>,
-    /// Refused watches make this replica give its slice up (see `coordination::lease`).
+    /// Refused watches make this replica give its slice up (see [`super::lease`]).
     pub watch_health: Arc<WatchHealth>,
     member_lease: Arc<MemberLease>,
     leader: Arc<Leader>,
@@ -42,17 +62,9 @@ pub(super) struct Coordination {
 
 impl Coordination {
     /// Starts every task; the member table's watch goes into `critical`.
-    pub async fn start(
-        args: &RunArgs,
-        shard: &ShardConfig,
-        clients: &Clients,
-        health: &Arc<Health>,
-        audit: &Audit,
-        critical: &mut JoinSet<&'static str>,
-    ) -> anyhow::Result<Self> {
-        // Leases and the assignment go through the never-limited client; labelling is work.
-        let coordination = &clients.coordination;
-        let mode = crate::coordination::mode::choose(coordination, &shard.namespace, args.shard_mode).await?;
+    pub async fn start(start: Start<'_>, critical: &mut JoinSet<&'static str>) -> anyhow::Result<Self> {
+        let Start { config: shard, client: coordination, health, audit, .. } = start;
+        let mode = mode::choose(coordination, &shard.namespace, start.mode).await?;
         let ownership = Ownership::new(&shard.incarnation, mode, shard.renew_deadline, shard.write_bound());
         let members = Arc::new(Members::default());
         let view = Arc::new(AssignmentView::default());
@@ -61,7 +73,7 @@ impl Coordination {
         let replica = Replica { config: shard.clone(), ownership: ownership.clone(), view };
         let member_lease =
             Arc::new(MemberLease::new(coordination.clone(), &replica, load.clone(), watch_health.clone()));
-        let leader = Arc::new(Leader::new(coordination.clone(), clients.work.clone(), &replica, members.clone()));
+        let leader = Arc::new(Leader::new(coordination.clone(), &replica, members.clone(), start.duties));
         let (slice_tx, slice) = tokio::sync::watch::channel(None);
         let follower = Follower::new(
             coordination.clone(),
@@ -73,8 +85,9 @@ impl Coordination {
         );
         critical.spawn({
             let (client, namespace, health) = (coordination.clone(), shard.namespace.clone(), health.clone());
+            let names = shard.names;
             async move {
-                members.watch(client, &namespace, &health).await;
+                members.watch(client, &namespace, &names, &health).await;
                 "the member lease watch"
             }
         });
@@ -88,7 +101,11 @@ impl Coordination {
             let (leader, stop) = (leader.clone(), stop_sharding.clone());
             async move { leader.run(stop).await }
         });
-        let follower_task = tokio::spawn(args.test_faults.clone().follower(follower.run(stop_sharding.clone())));
+        let following: BoxFuture<'static, ()> = Box::pin(follower.run(stop_sharding.clone()));
+        let follower_task = tokio::spawn(match start.follower_wrapper {
+            Some(wrap) => wrap(following),
+            None => following,
+        });
         Ok(Self {
             ownership,
             slice,

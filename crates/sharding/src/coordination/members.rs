@@ -11,13 +11,10 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{
-    ACK_ANNOTATION, LOAD_ANNOTATION, MEMBER_LEASE_PREFIX, MODE_ANNOTATION, NOT_WORKING_ANNOTATION, SEEN_ANNOTATION,
-    VERSION_ANNOTATION,
-};
-use crate::sharding::counts::Report;
-use crate::sharding::membership::{Capability, LeaseState, MemberTable};
-use crate::telemetry::admin::Health;
+use super::Names;
+use crate::counts::Report;
+use crate::membership::{Capability, LeaseState, MemberTable};
+use sharded_runtime::health::Health;
 
 pub struct Members {
     table: Mutex<MemberTable>,
@@ -34,19 +31,19 @@ impl Default for Members {
 
 impl Members {
     /// Runs the watch until the stream ends (it retries with backoff, so: never).
-    pub async fn watch(&self, client: Client, namespace: &str, health: &Health) {
+    pub async fn watch(&self, client: Client, namespace: &str, names: &Names, health: &Health) {
         let leases = Api::<Lease>::namespaced(client, namespace);
         let mut events = watcher(leases, watcher::Config::default()).default_backoff().boxed();
         while let Some(event) = events.next().await {
             let now = Instant::now();
             match event {
                 Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
-                    if let Some(pod) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
-                        self.lock().observe(pod, lease_state(&lease), now);
+                    if let Some(pod) = lease.name_any().strip_prefix(names.member_lease_prefix) {
+                        self.lock().observe(pod, lease_state(&lease, names), now);
                     }
                 }
                 Ok(watcher::Event::Delete(lease)) => {
-                    if let Some(pod) = lease.name_any().strip_prefix(MEMBER_LEASE_PREFIX) {
+                    if let Some(pod) = lease.name_any().strip_prefix(names.member_lease_prefix) {
                         self.lock().deleted(pod);
                     }
                 }
@@ -56,7 +53,7 @@ impl Members {
                 }
                 Ok(watcher::Event::Init) => {}
                 Err(error) => {
-                    crate::telemetry::metrics::count_watch_error("Lease");
+                    sharded_runtime::metrics::count_watch_error("Lease");
                     tracing::warn!(%error, "member lease watch failed; retrying")
                 }
             }
@@ -82,24 +79,24 @@ impl Members {
     }
 }
 
-pub fn lease_state(lease: &Lease) -> LeaseState {
+pub fn lease_state(lease: &Lease, names: &Names) -> LeaseState {
     let spec = lease.spec.clone().unwrap_or_default();
     let annotations = lease.annotations();
-    let capability = annotations.get(MODE_ANNOTATION).map(|mode| Capability {
+    let capability = annotations.get(names.mode_annotation).map(|mode| Capability {
         mode: mode.clone(),
-        version: annotations.get(VERSION_ANNOTATION).cloned().unwrap_or_default(),
-        not_working: annotations.get(NOT_WORKING_ANNOTATION).cloned(),
+        version: annotations.get(names.version_annotation).cloned().unwrap_or_default(),
+        not_working: annotations.get(names.not_working_annotation).cloned(),
     });
     LeaseState {
         holder: spec.holder_identity,
         // Compared for change only; the serialized form is as good as any.
         renew_marker: spec.renew_time.map(|t| serde_json::to_string(&t).unwrap_or_default()),
         duration: Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64),
-        acked_generation: lease.annotations().get(ACK_ANNOTATION).and_then(|g| g.parse().ok()),
-        seen_generation: lease.annotations().get(SEEN_ANNOTATION).and_then(|g| g.parse().ok()),
+        acked_generation: lease.annotations().get(names.ack_annotation).and_then(|g| g.parse().ok()),
+        seen_generation: lease.annotations().get(names.seen_annotation).and_then(|g| g.parse().ok()),
         uid: lease.uid(),
         // A malformed report only costs balancing by objects: treated as none.
-        load: lease.annotations().get(LOAD_ANNOTATION).and_then(|r| Report::decode(r).ok()),
+        load: lease.annotations().get(names.load_annotation).and_then(|r| Report::decode(r).ok()),
         capability,
     }
 }

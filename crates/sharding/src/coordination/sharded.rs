@@ -1,10 +1,10 @@
 //! Sharding keeps the gate: [`Sharded`] takes an object's bucket (as the cache keeps it, from
 //! [`bucket_of_meta`]), registers the reconcile with [`Ownership`] (so a handoff can drain
 //! it), and gives the business reconciler a [`WriteGate`] that checks the bucket is still
-//! ours before every write, stamps the bucket's fencing epoch on it as
-//! [`FENCE_ANNOTATION`], and reads the fencing policy's refusal ([`FENCED_MESSAGE`]). The
-//! reconciler knows nothing of buckets or fencing, as in timebertt's sharding wrapper and
-//! kubert's `is_current_for`.
+//! ours before every write, stamps the bucket's fencing epoch on it (in
+//! [`Names::fence_annotation`]), and reads the fencing policy's refusal ([`FENCED_MESSAGE`]).
+//! The reconciler knows nothing of buckets or fencing, as in timebertt's sharding wrapper
+//! and kubert's `is_current_for`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,28 +14,21 @@ use kube::api::ObjectMeta;
 use kube::core::Status;
 use tokio::time::Instant;
 
-use super::BUCKET_LABEL;
+use super::audit::Audit;
 use super::ownership::{InFlight, Ownership};
-use crate::error::{Error, Result};
-use crate::runtime::gate::{Permit, WriteGate};
-use crate::runtime::reconciler::Gatekeeper;
-use crate::runtime::{Action, ObjectKey};
-use crate::sharding::bucket::{self, Bucket, Mode};
-use crate::telemetry::audit::Audit;
-
-/// On every object the operator writes: the writer's fencing token. The fencing policy in
-/// deploy/components/fencing/ refuses an update whose token is lower than the stored one.
-pub const FENCE_ANNOTATION: &str = "trafficpolicy.dev/shard-epoch";
-
-/// What the fencing policy says when it refuses a write.
-pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
+use super::{FENCED_MESSAGE, Names};
+use crate::bucket::{self, Bucket, Mode};
+use sharded_runtime::error::{Error, Result};
+use sharded_runtime::gate::{Permit, WriteGate};
+use sharded_runtime::reconciler::Gatekeeper;
+use sharded_runtime::{Action, ObjectKey};
 
 /// The bucket of an object, from its metadata. In label mode: its bucket label (which may
 /// have been set by hand), or else its namespace's bucket. With the shard selector: its
 /// namespace's bucket, as the API server computes it; labels play no part.
-pub fn bucket_of_meta(meta: &ObjectMeta, mode: Mode) -> Option<Bucket> {
+pub fn bucket_of_meta(meta: &ObjectMeta, mode: Mode, bucket_label: &str) -> Option<Bucket> {
     let namespace = meta.namespace.as_deref().unwrap_or_default();
-    match (mode, meta.labels.as_ref().and_then(|labels| labels.get(BUCKET_LABEL))) {
+    match (mode, meta.labels.as_ref().and_then(|labels| labels.get(bucket_label))) {
         (Mode::Labels, Some(label)) => bucket::parse_label(label),
         _ => Some(mode.bucket_of(namespace)),
     }
@@ -46,12 +39,13 @@ pub fn bucket_of_meta(meta: &ObjectMeta, mode: Mode) -> Option<Bucket> {
 /// drains it.
 pub struct Sharded {
     ownership: Arc<Ownership>,
+    names: Names,
     audit: Audit,
 }
 
 impl Sharded {
-    pub fn new(ownership: Arc<Ownership>, audit: Audit) -> Self {
-        Self { ownership, audit }
+    pub fn new(ownership: Arc<Ownership>, names: Names, audit: Audit) -> Self {
+        Self { ownership, names, audit }
     }
 }
 
@@ -61,7 +55,7 @@ impl Gatekeeper for Sharded {
     fn admit<'a>(&'a self, key: &'a ObjectKey, bucket: Option<u16>) -> Option<ShardGate<'a>> {
         let in_flight = self.ownership.begin(bucket?)?;
         self.audit.record("reconcile_start", key, &in_flight.bucket.to_string());
-        Some(ShardGate { in_flight, mode: self.ownership.mode(), key, audit: &self.audit })
+        Some(ShardGate { in_flight, mode: self.ownership.mode(), names: &self.names, key, audit: &self.audit })
     }
 
     fn finished(&self, gate: ShardGate<'_>, outcome: &Result<Action>) {
@@ -73,6 +67,7 @@ impl Gatekeeper for Sharded {
 pub struct ShardGate<'a> {
     in_flight: InFlight,
     mode: Mode,
+    names: &'a Names,
     key: &'a ObjectKey,
     audit: &'a Audit,
 }
@@ -106,7 +101,7 @@ impl WriteGate for ShardGate<'_> {
     }
 
     fn stamp(&self, permit: &Permit, annotations: &mut BTreeMap<String, String>) {
-        annotations.insert(FENCE_ANNOTATION.into(), permit.token.to_string());
+        annotations.insert(self.names.fence_annotation.into(), permit.token.to_string());
     }
 
     /// The fencing policy refused the write: a newer owner has written since.
@@ -117,7 +112,7 @@ impl WriteGate for ShardGate<'_> {
     /// Children carry their bucket label only where watches select by it.
     fn routing_labels(&self) -> Vec<(String, String)> {
         match self.mode {
-            Mode::Labels => vec![(BUCKET_LABEL.to_string(), bucket::label_value(self.in_flight.bucket))],
+            Mode::Labels => vec![(self.names.bucket_label.to_string(), bucket::label_value(self.in_flight.bucket))],
             Mode::ShardSelector => Vec::new(),
         }
     }
@@ -129,21 +124,30 @@ mod tests {
 
     #[test]
     fn a_hand_set_bucket_label_routes_in_label_mode_only() {
+        const BUCKET_LABEL: &str = "example.com/bucket";
         let meta = |label: Option<&str>| ObjectMeta {
             namespace: Some("shop".into()),
             labels: label.map(|label| [(BUCKET_LABEL.to_string(), label.to_string())].into()),
             ..Default::default()
         };
         let implied = bucket::bucket_of("shop");
-        assert_eq!(bucket_of_meta(&meta(None), Mode::Labels), Some(implied));
+        assert_eq!(bucket_of_meta(&meta(None), Mode::Labels, BUCKET_LABEL), Some(implied));
         let other = if implied == 7 { "8" } else { "7" };
         assert_eq!(
-            bucket_of_meta(&meta(Some(other)), Mode::Labels),
+            bucket_of_meta(&meta(Some(other)), Mode::Labels, BUCKET_LABEL),
             bucket::parse_label(other),
             "a hand-set bucket wins"
         );
-        assert_eq!(bucket_of_meta(&meta(Some("x")), Mode::Labels), None, "a malformed label is in no bucket");
+        assert_eq!(
+            bucket_of_meta(&meta(Some("x")), Mode::Labels, BUCKET_LABEL),
+            None,
+            "a malformed label is in no bucket"
+        );
         let shard_bucket = Some(Mode::ShardSelector.bucket_of("shop"));
-        assert_eq!(bucket_of_meta(&meta(Some(other)), Mode::ShardSelector), shard_bucket, "the server ignores labels");
+        assert_eq!(
+            bucket_of_meta(&meta(Some(other)), Mode::ShardSelector, BUCKET_LABEL),
+            shard_bucket,
+            "the server ignores labels"
+        );
     }
 }

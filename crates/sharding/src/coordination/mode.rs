@@ -1,7 +1,7 @@
 //! Which sharding mode this process uses, chosen once at start-up: the API server's shard
 //! selector where it honours one (kube-apiserver with the `ShardedListAndWatch` feature
-//! gate), bucket labels otherwise. The choice is logged, exported as
-//! `traffic_policy_shard_mode`, and written into the assignment by the leader.
+//! gate), bucket labels otherwise. The choice is logged, exported as `<prefix>_shard_mode`,
+//! and written into the assignment by the leader.
 
 use std::time::Duration;
 
@@ -9,13 +9,15 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
 use kube::api::{Api, ListParams};
 
-use crate::runtime::backoff::Backoff;
-use crate::sharding::bucket::{BUCKETS, Mode};
-use crate::sharding::shard_range;
-use crate::telemetry::metrics;
+use super::metrics;
+use crate::bucket::{BUCKETS, Mode};
+use crate::shard_range;
+use sharded_runtime::backoff::Backoff;
 
-/// `--shard-mode`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+/// The mode a program asks for (the operator's `--shard-mode`; a command-line value with the
+/// `clap` feature).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Requested {
     /// The shard selector if the API server honours it, else labels.
     #[default]
@@ -69,7 +71,7 @@ async fn probe_until_answered(client: &Client, namespace: &str) -> Mode {
 /// server-wide.)
 async fn server_honours_shard_selector(client: &Client, namespace: &str) -> anyhow::Result<bool> {
     let everything = shard_range::selector(&(0..BUCKETS).collect()).expect("all buckets");
-    let client = crate::client::with_query(client.clone(), "shardSelector", &everything);
+    let client = sharded_runtime::client::with_query(client.clone(), "shardSelector", &everything);
     let list = Api::<ConfigMap>::namespaced(client, namespace).list(&ListParams::default().limit(1)).await?;
     Ok(list.metadata.shard_info.is_some())
 }

@@ -13,10 +13,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::sharding::assignment::{Assignment, Epoch};
-use crate::sharding::bucket::{Bucket, Mode};
-use crate::sharding::slice::{Change, Slice};
-use crate::telemetry::metrics as m;
+use super::metrics as m;
+use crate::assignment::{Assignment, Epoch};
+use crate::bucket::{Bucket, Mode};
+use crate::slice::{Change, Slice};
 
 pub struct Ownership {
     slice: Mutex<Slice>,
@@ -177,7 +177,7 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sharding::assignment::Slot;
+    use crate::assignment::Slot;
 
     fn mine(generation: u64, buckets: &[Bucket]) -> Assignment {
         let mut a = Assignment { generation, ..Default::default() };

@@ -1,7 +1,7 @@
-//! This replica's report of the policies it holds per bucket, which its member Lease carries
-//! to the leader for balancing by objects (see `sharding::balance`).
+//! This replica's report of the objects it holds per bucket, which its member Lease carries
+//! to the leader for balancing by objects (see [`crate::balance`]).
 //!
-//! The report is counted from the policy cache, and only while the cache holds exactly the
+//! The report is counted from the controller's cache, and only while the cache holds exactly the
 //! slice of the assignment we follow: the watch must have completed a list of every bucket we
 //! own, and of no other. Otherwise buckets still being listed would count as empty, and the leader
 //! would rebalance on a false picture. Until then, the previous report stands, and its older
@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::ownership::Ownership;
-use crate::reconcile::cached::CachedPolicy;
-use crate::runtime::Listed;
-use crate::runtime::cache::Cache;
-use crate::sharding::counts::{Counts, Report};
+use crate::counts::{Counts, Report};
+use sharded_runtime::Listed;
+use sharded_runtime::cache::Cache;
+use sharded_runtime::stored::Stored;
 
 /// How often the cache is counted: a rebalance waits for reports of the current generation.
 const COUNT_EVERY: Duration = Duration::from_secs(5);
@@ -31,7 +31,7 @@ impl LoadReport {
     }
 
     /// Counts the cache every few seconds, forever.
-    pub async fn keep(&self, cache: Cache<CachedPolicy>, ownership: Arc<Ownership>, listed: Listed) {
+    pub async fn keep<T: Stored>(&self, cache: Cache<T>, ownership: Arc<Ownership>, listed: Listed) {
         let mut tick = tokio::time::interval(COUNT_EVERY);
         loop {
             tick.tick().await;

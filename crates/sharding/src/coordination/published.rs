@@ -10,8 +10,7 @@ use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
 
-use super::ASSIGNMENT_CONFIGMAP;
-use crate::sharding::assignment::Assignment;
+use crate::assignment::Assignment;
 
 /// The newest assignment this replica knows.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -118,11 +117,12 @@ impl AssignmentView {
 /// returned task is stopped (for tools and tests that follow the leader's steps).
 pub fn record_published(
     configmaps: Api<ConfigMap>,
+    name: &str,
 ) -> (Arc<std::sync::Mutex<Vec<Assignment>>>, tokio::task::JoinHandle<()>) {
     let recorded = Arc::new(std::sync::Mutex::new(Vec::new()));
     let task = tokio::spawn({
         let recorded = recorded.clone();
-        published(configmaps).for_each(move |assignment| {
+        published(configmaps, name).for_each(move |assignment| {
             recorded.lock().unwrap_or_else(|p| p.into_inner()).push(assignment);
             std::future::ready(())
         })
@@ -130,10 +130,10 @@ pub fn record_published(
     (recorded, task)
 }
 
-/// Every assignment published in `configmaps` from now on, newer generations only (for tools
-/// and tests that follow the leader's steps).
-pub fn published(configmaps: Api<ConfigMap>) -> impl futures::Stream<Item = Assignment> + Send {
-    let config = watcher::Config::default().fields(&format!("metadata.name={ASSIGNMENT_CONFIGMAP}"));
+/// Every assignment published in the ConfigMap `name` of `configmaps` from now on, newer
+/// generations only (for tools and tests that follow the leader's steps).
+pub fn published(configmaps: Api<ConfigMap>, name: &str) -> impl futures::Stream<Item = Assignment> + Send + use<> {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
     let mut last = 0;
     watcher(configmaps, config).default_backoff().applied_objects().filter_map(move |event| {
         let newer = event.ok().as_ref().and_then(decode).map(|(a, _)| a).filter(|a| a.generation > last);

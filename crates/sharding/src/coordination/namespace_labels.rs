@@ -1,14 +1,13 @@
-//! The leader's first labelling duty in label mode: each namespace carries its own bucket
-//! label, so that the bucket-label admission policy (deploy/components/bucket-labels) can copy
-//! it onto every policy the API server admits there. A policy then carries its bucket from its
-//! first write, reaches its owner at once, and costs the leader no PATCH of its own: one write
-//! per namespace replaces one per policy. CEL cannot compute the bucket (an xxh3 hash), hence
-//! the label on the namespace.
+//! A leader's labelling duty in label mode: each namespace carries its own bucket label, so
+//! that an admission policy can copy it onto every object the API server admits there. An
+//! object then carries its bucket from its first write, reaches its owner at once, and costs
+//! the leader no PATCH of its own: one write per namespace replaces one per object. CEL
+//! cannot compute the bucket (an xxh3 hash), hence the label on the namespace.
 //!
-//! The component also grants the list, watch and patch on namespaces this needs. Without it
-//! the list is refused (and tried again after the watcher's backoff, so that a grant added
-//! later takes effect), and [`super::labeller`] labels each policy, as it still does for one
-//! admitted before its namespace was labelled.
+//! The program grants the list, watch and patch on namespaces this needs with that policy.
+//! Without the grant the list is refused (and tried again after the watcher's backoff, so
+//! that a grant added later takes effect), and the program's own labeller must label each
+//! object, as it still must for one admitted before its namespace was labelled.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -21,13 +20,12 @@ use kube::{Client, ResourceExt};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::BUCKET_LABEL;
-use super::labeller::Retries;
-use crate::sharding::bucket::{bucket_of, label_value};
-use crate::telemetry::metrics as m;
+use super::metrics as m;
+use crate::bucket::{bucket_of, label_value};
+use sharded_runtime::retries::Retries;
 
 /// Namespaces labelled at once: after the first list, a cluster may have thousands to label,
-/// and a policy written in one of them meanwhile waits for the policy labeller.
+/// and an object written in one of them meanwhile waits for the program's labeller.
 const CONCURRENCY: usize = 16;
 
 /// A label removed this soon after the leader wrote it was removed by someone else, such as
@@ -41,7 +39,7 @@ const CONTESTED_WITHIN: Duration = Duration::from_secs(10);
 /// retried after its own backoff, and its watch events are ignored meanwhile, as they are
 /// while its patch is in flight, so that no failure becomes a hot loop. A label that keeps
 /// being removed soon after it is written is put back after a backoff too.
-pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
+pub async fn label_namespaces(client: Client, watch_namespace: Option<String>, bucket_label: &'static str) {
     let api: Api<Namespace> = Api::all(client.clone());
     let metadata: Api<PartialObjectMeta<Namespace>> = Api::all(client);
     let config = match &watch_namespace {
@@ -105,7 +103,7 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
             event = events.next(), if room => match event {
                 Some(Ok(watcher::Event::Apply(ns) | watcher::Event::InitApply(ns))) => {
                     let name = ns.name_any();
-                    let labelled = ns.labels().get(BUCKET_LABEL) == Some(&label_value(bucket_of(&name)));
+                    let labelled = ns.labels().get(bucket_label) == Some(&label_value(bucket_of(&name)));
                     if let Some(stale) = busy.get_mut(&name).filter(|_| !labelled) {
                         *stale = true;
                     }
@@ -134,14 +132,14 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
                 Some(Err(watcher::Error::InitialListFailed(kube::Error::Api(s)))) if s.code == 403 => {
                     if !std::mem::replace(&mut list_refused, true) {
                         tracing::info!(
-                            "namespaces are not labelled with their bucket (no permission to list them: \
-                             deploy/components/bucket-labels grants it); the leader labels each policy instead"
+                            "namespaces are not labelled with their bucket (no permission to list them); \
+                             the leader labels each object instead"
                         );
                     }
                     continue;
                 }
                 Some(Err(error)) => {
-                    m::count_watch_error("Namespace");
+                    sharded_runtime::metrics::count_watch_error("Namespace");
                     tracing::warn!(%error, "namespace watch failed; retrying");
                     continue;
                 }
@@ -151,7 +149,7 @@ pub async fn label_namespaces(client: Client, watch_namespace: Option<String>) {
         };
         busy.insert(name.clone(), false);
         let (api, first_failure, task_name) = (api.clone(), !refused.contains(&name), name.clone());
-        let task = in_flight.spawn(async move { label(&api, &task_name, first_failure).await });
+        let task = in_flight.spawn(async move { label(&api, &task_name, bucket_label, first_failure).await });
         tasks.insert(task.id(), name);
     }
 }
@@ -210,11 +208,11 @@ impl Contested {
 /// Puts the namespace's bucket label on it (done only when the answer shows the label). A
 /// failure is logged as a warning the first time since the namespace last succeeded, and at
 /// debug level on its retries: a namespace that a policy engine protects is refused for good.
-async fn label(api: &Api<Namespace>, name: &str, first_failure: bool) -> Labelling {
+async fn label(api: &Api<Namespace>, name: &str, bucket_label: &str, first_failure: bool) -> Labelling {
     let bucket = label_value(bucket_of(name));
-    let patch = serde_json::json!({ "metadata": { "labels": { BUCKET_LABEL: &bucket } } });
+    let patch = serde_json::json!({ "metadata": { "labels": { bucket_label: &bucket } } });
     match api.patch_metadata(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-        Ok(ns) if ns.labels().get(BUCKET_LABEL) == Some(&bucket) => {
+        Ok(ns) if ns.labels().get(bucket_label) == Some(&bucket) => {
             m::count_namespace_label();
             Labelling::Done
         }
