@@ -19,6 +19,7 @@ use kube::api::{Api, PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use super::leader::LeaderDuties;
 use super::namespace_labels::label_namespaces;
@@ -41,16 +42,19 @@ pub struct BucketLabelling {
 }
 
 impl LeaderDuties for BucketLabelling {
-    fn lead(&self, mode: Mode) -> Option<BoxFuture<'static, ()>> {
+    fn lead(&self, mode: Mode, stop: CancellationToken) -> Option<BoxFuture<'static, ()>> {
         if mode != Mode::Labels {
             return None;
         }
         let (client, namespace) = (self.client.clone(), self.watch_namespace.clone());
         Some(Box::pin(async move {
-            tokio::join!(
-                label_namespaces(client.clone(), namespace.clone(), BUCKET_LABEL),
-                label_unlabeled_policies(client, namespace)
-            );
+            let policies = label_unlabeled_policies(client.clone(), namespace.clone());
+            tokio::join!(label_namespaces(client, namespace, BUCKET_LABEL, stop.clone()), async {
+                tokio::select! {
+                    () = policies => {}
+                    () = stop.cancelled() => {}
+                }
+            });
         }))
     }
 

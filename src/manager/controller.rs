@@ -28,7 +28,7 @@ use crate::runtime::backoff::Backoff;
 use crate::runtime::cache::Cache;
 use crate::runtime::child_versions::ChildVersions;
 use crate::runtime::health::Health;
-use crate::runtime::parts::{self, SliceWatch, Slicing, Watchable};
+use crate::runtime::parts::{self, SliceWatch, Slicing, WatchScope, Watchable};
 use crate::runtime::stored::Stored as _;
 use crate::runtime::watch::ChildEvent;
 use crate::runtime::watch_health::WatchHealth;
@@ -112,10 +112,7 @@ where
 
 /// All namespaces, or the one `--watch-namespace` names.
 fn api<K: Watchable>(client: &Client, args: &RunArgs) -> Api<K> {
-    match &args.watch_namespace {
-        Some(namespace) => Api::namespaced(client.clone(), namespace),
-        None => Api::all(client.clone()),
-    }
+    K::Scope::api(client.clone(), args.watch_namespace.as_deref())
 }
 
 /// Keeps `traffic_policy_policies` (our slice by Ready status and reason) current.

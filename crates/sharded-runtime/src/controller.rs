@@ -262,6 +262,7 @@ where
         };
         let span = tracing::info_span!(
             "reconcile",
+            controller = self.settings.name,
             object = %key,
             generation = object.generation(),
             result = field::Empty,

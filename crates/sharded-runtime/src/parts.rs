@@ -137,9 +137,10 @@ pub enum SliceEvent<K> {
     Closed { part: u64 },
 }
 
-/// What a slice can be watched of: a namespaced resource of a static type.
+/// What a slice can be watched of: a resource of a static type (cluster-scoped ones in
+/// one bucket, as a controller of namespaces has them).
 pub trait Watchable:
-    Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+    Resource<DynamicType = (), Scope: WatchScope>
     + Clone
     + DeserializeOwned
     + Debug
@@ -150,7 +151,7 @@ pub trait Watchable:
 }
 
 impl<K> Watchable for K where
-    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+    K: Resource<DynamicType = (), Scope: WatchScope>
         + Clone
         + DeserializeOwned
         + Debug
@@ -370,14 +371,28 @@ fn with_fixed(fixed: &Option<String>, labels: Option<&String>) -> Option<String>
 
 /// `api` with every request asking for `shardSelector=shards` (kube's list and watch
 /// parameters have no field for it yet).
-fn shard_selecting<K>(api: &Api<K>, shards: &str) -> Api<K>
-where
-    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope> + Clone,
-{
+fn shard_selecting<K: Watchable>(api: &Api<K>, shards: &str) -> Api<K> {
     let client = crate::client::with_query(api.clone().into_client(), "shardSelector", shards);
-    match api.namespace() {
-        Some(namespace) => Api::namespaced(client, namespace),
-        None => Api::all(client),
+    K::Scope::api(client, api.namespace())
+}
+
+/// How an [`Api`] of a resource of this scope is made again on another client.
+pub trait WatchScope {
+    fn api<K: Resource<DynamicType = (), Scope = Self>>(client: kube::Client, namespace: Option<&str>) -> Api<K>;
+}
+
+impl WatchScope for kube::core::NamespaceResourceScope {
+    fn api<K: Resource<DynamicType = (), Scope = Self>>(client: kube::Client, namespace: Option<&str>) -> Api<K> {
+        match namespace {
+            Some(namespace) => Api::namespaced(client, namespace),
+            None => Api::all(client),
+        }
+    }
+}
+
+impl WatchScope for kube::core::ClusterResourceScope {
+    fn api<K: Resource<DynamicType = (), Scope = Self>>(client: kube::Client, _: Option<&str>) -> Api<K> {
+        Api::all(client)
     }
 }
 

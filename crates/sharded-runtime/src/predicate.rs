@@ -3,7 +3,8 @@
 //! Passes the first sight of an object (including one that arrives through a relist or a
 //! handoff), a new uid under a known name (deleted and created again while the watch was
 //! down), and changes of `metadata.generation`; drops status-, label- and annotation-only
-//! updates, which leave the generation alone. Deletions are handled by the caller.
+//! updates, which leave the generation alone (unless the stored form says otherwise, see
+//! [`Stored::changed`]). Deletions are handled by the caller.
 //!
 //! The cache is its memory: an event's object is compared with the one the cache held
 //! before it (see [`super::cache`]), so nothing is kept per object beyond the cache, and an
@@ -25,7 +26,7 @@ pub enum Sight {
     /// A new uid under a known name: the object cached under that name was deleted and this
     /// one created while the watch was down. What was kept for the old one must go.
     Replaced,
-    /// A new generation of a known object.
+    /// A new generation of a known object (or another change its stored form looks at).
     Changed,
 }
 
@@ -35,7 +36,7 @@ pub fn sight<S: Stored>(cached: Option<&S>, object: &S::Object) -> Sight {
     let now = object.meta();
     if !cached.has_uid(now.uid.as_deref()) {
         Sight::Replaced
-    } else if cached.generation() != now.generation {
+    } else if cached.changed(object) {
         Sight::Changed
     } else {
         Sight::Same

@@ -4,13 +4,20 @@
 use kube::Resource;
 
 /// The form an object takes in the cache. It keeps what the runtime compares between
-/// events: the uid, the generation and the resourceVersion.
+/// events: the uid, the generation (or whatever [`Stored::changed`] compares) and the
+/// resourceVersion.
 pub trait Stored: Send + Sync + Sized + 'static {
     /// The object watched.
     type Object: Resource + Clone;
     fn store(object: &Self::Object) -> Self;
     fn has_uid(&self, uid: Option<&str>) -> bool;
     fn generation(&self) -> Option<i64>;
+    /// Whether `object`, a later sight of this one, is worth a reconcile: by default, a new
+    /// generation (a change of its spec). A controller of labels, which leave the generation
+    /// alone, compares what it keeps of them instead.
+    fn changed(&self, object: &Self::Object) -> bool {
+        self.generation() != object.meta().generation
+    }
     /// Whether this is `resource_version` of the object (never when either has none).
     fn is_version(&self, resource_version: Option<&str>) -> bool;
 }

@@ -46,9 +46,9 @@ const ABANDONED_AFTER_LEASES: u32 = 20;
 
 /// What a program's leader does beside publishing the assignment, while it leads.
 pub trait LeaderDuties: Send + Sync + 'static {
-    /// Started when this replica becomes the leader, in its sharding mode; aborted when it
-    /// stops leading.
-    fn lead(&self, mode: Mode) -> Option<BoxFuture<'static, ()>>;
+    /// Started when this replica becomes the leader, in its sharding mode; `stop` is
+    /// cancelled when it stops leading, and the future should then end soon.
+    fn lead(&self, mode: Mode, stop: CancellationToken) -> Option<BoxFuture<'static, ()>>;
 
     /// After this replica stopped leading: resets what the duties report.
     fn stopped(&self) {}
@@ -58,7 +58,7 @@ pub trait LeaderDuties: Send + Sync + 'static {
 pub struct NoDuties;
 
 impl LeaderDuties for NoDuties {
-    fn lead(&self, _: Mode) -> Option<BoxFuture<'static, ()>> {
+    fn lead(&self, _: Mode, _: CancellationToken) -> Option<BoxFuture<'static, ()>> {
         None
     }
 }
@@ -117,7 +117,8 @@ impl Leader {
     pub async fn run(&self, stop: CancellationToken) -> bool {
         let mut leading_until: Option<Instant> = None;
         let mut next_attempt = Instant::now();
-        let mut duties: Option<tokio::task::JoinHandle<()>> = None;
+        // Cancelled when we stop leading; the duties' task then ends by itself.
+        let mut duties: Option<CancellationToken> = None;
         let mut was_leading = false;
         let mut members_changed = self.members.subscribe();
         let mut view_changed = self.view.subscribe();
@@ -140,14 +141,18 @@ impl Leader {
             if leading {
                 if !was_leading {
                     tracing::info!("became the leader");
-                    duties = self.duties.lead(self.ownership.mode()).map(tokio::spawn);
+                    let stop_duties = CancellationToken::new();
+                    if let Some(work) = self.duties.lead(self.ownership.mode(), stop_duties.clone()) {
+                        tokio::spawn(work);
+                        duties = Some(stop_duties);
+                    }
                 }
                 self.publish(None).await;
                 self.collect_abandoned().await;
             } else if was_leading {
                 tracing::info!("no longer the leader");
-                if let Some(task) = duties.take() {
-                    task.abort();
+                if let Some(stop_duties) = duties.take() {
+                    stop_duties.cancel();
                 }
                 self.duties.stopped();
                 m::set_slice_imbalance(0.0);
@@ -158,8 +163,8 @@ impl Leader {
                 _ = members_changed.changed() => {}
                 _ = view_changed.changed() => {}
                 _ = stop.cancelled() => {
-                    if let Some(task) = duties.take() {
-                        task.abort();
+                    if let Some(stop_duties) = duties.take() {
+                        stop_duties.cancel();
                     }
                     return self.leading(leading_until);
                 }
