@@ -55,7 +55,8 @@ async fn writes(client: &Client) -> anyhow::Result<Writes> {
 }
 
 fn replica_metric(replica: &Replica, name: &str) -> f64 {
-    sample::metric(&controlplane::http_get_plain(replica.metrics_port, "/metrics").unwrap_or_default(), name)
+    let exposition = controlplane::http_get_plain(replica.metrics_port, "/metrics").unwrap_or_default();
+    sample::policy_controllers_metric(&exposition, name)
 }
 
 fn reconciles(replicas: &[Replica]) -> f64 {

@@ -21,6 +21,7 @@ use traffic_policy_operator::api::ApplicationTrafficPolicy;
 
 use crate::args::{Args, Mode};
 use crate::interrupt::Interrupted;
+use crate::sample;
 use crate::workload::{
     RUN_LABEL, Tracker, create_all, edit_during_backlog, edit_percentiles, latency_percentiles, progress, track,
     wait_pending,
@@ -211,13 +212,13 @@ async fn proxy_metrics(client: &Client, namespace: &str, pod: &str) -> Result<St
     client.request_text(request).await.map_err(|e| format!("reading {pod}'s metrics through the pod proxy: {e}"))
 }
 
-/// The sum of `workqueue_depth` over the high-priority lane in one replica's metrics.
+/// The sum of `workqueue_depth` over the policy controller's high-priority lane in one
+/// replica's metrics.
 fn high_lane_depth(metrics: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("workqueue_depth{") && l.contains("priority=\"high\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let policies_high = |labels: &sample::Labels<'_>| {
+        sample::label(labels, "controller") == "applicationtrafficpolicy" && sample::label(labels, "priority") == "high"
+    };
+    sample::metric_where(metrics, "workqueue_depth", policies_high)
 }
 
 /// Deletes every namespace of run `id` and waits until they are gone, with progress.
@@ -266,9 +267,10 @@ mod tests {
     }
 
     #[test]
-    fn reads_the_high_lane_only() {
-        let text = "workqueue_depth{name=\"x\",controller=\"x\",priority=\"high\"} 7\n\
-                    workqueue_depth{name=\"x\",controller=\"x\",priority=\"low\"} 900\n";
+    fn reads_the_policy_controllers_high_lane_only() {
+        let text = "workqueue_depth{name=\"applicationtrafficpolicy\",controller=\"applicationtrafficpolicy\",priority=\"high\"} 7\n\
+                    workqueue_depth{name=\"applicationtrafficpolicy\",controller=\"applicationtrafficpolicy\",priority=\"low\"} 900\n\
+                    workqueue_depth{name=\"policy-labels\",controller=\"policy-labels\",priority=\"high\"} 50\n";
         assert_eq!(high_lane_depth(text), 7.0);
     }
 }

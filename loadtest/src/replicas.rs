@@ -127,7 +127,7 @@ pub(super) async fn sample_loop(pids: Watched, samples: Arc<Mutex<Vec<Sample>>>,
                 cpu_seconds: sample::cpu_seconds(pid).unwrap_or_default(),
                 rss_bytes: memory.rss,
                 anon_rss_bytes: memory.anon_rss,
-                queue_depth: sample::metric(&metrics, "workqueue_depth"),
+                queue_depth: sample::policy_controllers_metric(&metrics, "workqueue_depth"),
                 cached_objects: sample::metric(&metrics, "traffic_policy_cached_objects"),
                 series: sample::series_count(&metrics),
             });

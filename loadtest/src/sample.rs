@@ -57,6 +57,15 @@ pub fn metric(exposition: &str, name: &str) -> f64 {
     metric_where(exposition, name, |_| true)
 }
 
+/// The sum of the series of a work-queue or controller metric `name` of the controllers that
+/// reconcile policies: the operator's leader also runs two labelling controllers
+/// (`namespace-labels`, `policy-labels`) in label mode, which the measures leave out.
+pub fn policy_controllers_metric(exposition: &str, name: &str) -> f64 {
+    metric_where(exposition, name, |labels| {
+        !matches!(label(labels, "controller"), "namespace-labels" | "policy-labels")
+    })
+}
+
 /// The sum of the series of `name` whose labels `keep` accepts.
 pub fn metric_where(exposition: &str, name: &str, keep: impl Fn(&Labels<'_>) -> bool) -> f64 {
     exposition

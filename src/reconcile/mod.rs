@@ -37,7 +37,7 @@ use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, ChildVersions, ContentStamp, content_hash};
 use crate::runtime::gate::{WriteGate, bounded, with_server_timeout};
-use crate::runtime::{Action, ObjectKey, Reconciler};
+use crate::runtime::{Action, ObjectKey, Priority, Reconciler};
 use crate::test_faults::TestFaults;
 use status::Outcome;
 
@@ -239,7 +239,13 @@ fn now() -> Time {
 }
 
 impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
-    async fn reconcile(&self, key: &ObjectKey, cached: Arc<CachedPolicy>, gate: &dyn WriteGate) -> Result<Action> {
+    async fn reconcile(
+        &self,
+        key: &ObjectKey,
+        cached: Arc<CachedPolicy>,
+        gate: &dyn WriteGate,
+        _: Priority,
+    ) -> Result<Action> {
         self.faults.before_reconcile(key).await;
         // The policy in full for this reconcile only: the cache keeps it compact.
         let policy = cached.to_policy(key);

@@ -13,6 +13,8 @@ use kube::core::Status;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use crate::runtime::Priority;
+
 use super::*;
 use crate::api::ApplicationTrafficPolicySpec;
 use crate::runtime::gate::Permit;
@@ -143,7 +145,8 @@ async fn a_new_policy_is_applied_stamped_and_reported_then_nothing_is_written_ag
     let key = ObjectKey::new("shop", "web");
     let gate = TestGate { permits: true };
 
-    let action = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate).await.unwrap();
+    let action =
+        reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await.unwrap();
     assert_eq!(action, Action::Done);
     let first = sent.lock().unwrap().drain(..).collect::<Vec<_>>();
     let mut children: Vec<String> = lines(&first[..2]);
@@ -164,13 +167,13 @@ async fn a_new_policy_is_applied_stamped_and_reported_then_nothing_is_written_ag
 
     // Again, before the cache shows the status: the children are known to hold what would
     // be written, and the event went out; only the status is written again.
-    reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate).await.unwrap();
+    reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await.unwrap();
     assert_eq!(lines(&sent.lock().unwrap().drain(..).collect::<Vec<_>>()), [format!("PATCH {STATUS}")]);
 
     // Once the cache shows that status: nothing at all.
     let mut written = policy();
     written.status = Some(serde_json::from_value(status.body["status"].clone()).unwrap());
-    reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&written)), &gate).await.unwrap();
+    reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&written)), &gate, Priority::High).await.unwrap();
     assert!(sent.lock().unwrap().is_empty(), "{:?}", lines(&sent.lock().unwrap()));
 }
 
@@ -179,7 +182,7 @@ async fn a_spec_the_server_refuses_is_reported_and_not_retried() {
     let (client, sent) = recording_client(refuses_the_network_policy);
     let key = ObjectKey::new("shop", "web");
     let (reconciler, gate) = (reconciler(client), TestGate { permits: true });
-    let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate).await;
+    let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await;
     let error = result.unwrap_err();
     assert!(matches!(error, Error::InvalidSpec(_)) && error.is_terminal(), "{error:?}");
     let sent = sent.lock().unwrap();
@@ -194,7 +197,7 @@ async fn a_fenced_write_while_the_bucket_is_ours_is_a_token_conflict_in_the_stat
     let (client, sent) = recording_client(fences_the_children);
     let key = ObjectKey::new("shop", "web");
     let (reconciler, gate) = (reconciler(client), TestGate { permits: true });
-    let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate).await;
+    let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await;
     let error = result.unwrap_err();
     assert!(matches!(error, Error::ForeignToken(_)) && !error.is_terminal(), "retried with backoff: {error:?}");
     let sent = sent.lock().unwrap();
@@ -207,7 +210,7 @@ async fn a_reconcile_that_may_not_write_sends_nothing() {
     let (client, sent) = recording_client(accepts);
     let key = ObjectKey::new("shop", "web");
     let (reconciler, gate) = (reconciler(client), TestGate { permits: false });
-    let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate).await;
+    let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await;
     assert!(matches!(result, Err(Error::LostOwnership)));
     assert!(sent.lock().unwrap().is_empty(), "{:?}", lines(&sent.lock().unwrap()));
 }

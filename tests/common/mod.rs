@@ -391,10 +391,16 @@ impl Operator {
     }
 
     /// The sum of every series of `name` (optionally only those containing `label`).
+    /// The sum of metric `name`'s series (those with `label`, if given). Of the work queue's
+    /// and the controller's metrics, only the policy controller's series count: the leader's
+    /// labelling controllers (`namespace-labels`, `policy-labels`) have their own.
     pub fn metric(&self, name: &str, label: Option<&str>) -> f64 {
         let text = self.get("/metrics").unwrap();
+        let per_controller = name.starts_with("workqueue_") || name.starts_with("controller_runtime_");
+        let controller = "controller=\"applicationtrafficpolicy\"";
         text.lines()
             .filter(|line| line.split(['{', ' ']).next() == Some(name) && label.is_none_or(|l| line.contains(l)))
+            .filter(|line| !per_controller || line.contains(controller))
             .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }

@@ -233,7 +233,7 @@ where
         shutdown: CancellationToken,
     ) {
         let mut listed = self.children_listed.subscribe();
-        while let Some(key) = self.queue.get().await {
+        while let Some((key, lane)) = self.queue.get().await {
             let bucket = self.cache.entry(&key).and_then(|entry| entry.bucket);
             tokio::select! {
                 // The sender lives as long as `self`, so this cannot fail.
@@ -245,13 +245,19 @@ where
                 }
             }
             self.metrics.active_workers(1.0);
-            self.process(&key, reconciler.as_ref(), gatekeeper.as_ref()).await;
+            self.process(&key, lane, reconciler.as_ref(), gatekeeper.as_ref()).await;
             self.queue.done(&key);
             self.metrics.active_workers(-1.0);
         }
     }
 
-    async fn process<R: Reconciler<S>, G: Gatekeeper>(&self, key: &ObjectKey, reconciler: &R, gatekeeper: &G) {
+    async fn process<R: Reconciler<S>, G: Gatekeeper>(
+        &self,
+        key: &ObjectKey,
+        lane: Priority,
+        reconciler: &R,
+        gatekeeper: &G,
+    ) {
         let Some(Entry { object, bucket }) = self.cache.entry(key) else {
             self.queue.forget(key);
             return;
@@ -271,7 +277,7 @@ where
         let started = Instant::now();
         let timeout = self.settings.reconcile_timeout;
         let reconcile =
-            AssertUnwindSafe(reconciler.reconcile(key, object, &gate)).catch_unwind().instrument(span.clone());
+            AssertUnwindSafe(reconciler.reconcile(key, object, &gate, lane)).catch_unwind().instrument(span.clone());
         let outcome = match tokio::time::timeout(timeout, reconcile).await {
             Ok(Ok(outcome)) => {
                 gatekeeper.finished(gate, &outcome);

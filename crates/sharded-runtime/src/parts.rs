@@ -140,24 +140,12 @@ pub enum SliceEvent<K> {
 /// What a slice can be watched of: a resource of a static type (cluster-scoped ones in
 /// one bucket, as a controller of namespaces has them).
 pub trait Watchable:
-    Resource<DynamicType = (), Scope: WatchScope>
-    + Clone
-    + DeserializeOwned
-    + Debug
-    + Send
-    + Sync
-    + 'static
+    Resource<DynamicType = (), Scope: WatchScope> + Clone + DeserializeOwned + Debug + Send + Sync + 'static
 {
 }
 
 impl<K> Watchable for K where
-    K: Resource<DynamicType = (), Scope: WatchScope>
-        + Clone
-        + DeserializeOwned
-        + Debug
-        + Send
-        + Sync
-        + 'static
+    K: Resource<DynamicType = (), Scope: WatchScope> + Clone + DeserializeOwned + Debug + Send + Sync + 'static
 {
 }
 

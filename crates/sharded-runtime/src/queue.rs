@@ -125,8 +125,8 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         self.lock().failures.remove(key);
     }
 
-    /// Waits for the next key; `None` once shut down.
-    pub async fn get(&self) -> Option<K> {
+    /// Waits for the next key, with the lane it was taken from; `None` once shut down.
+    pub async fn get(&self) -> Option<(K, Priority)> {
         loop {
             let notified = self.notify.notified();
             let next_delayed = {
@@ -144,7 +144,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
                         // Let another idle worker look too.
                         self.notify.notify_one();
                     }
-                    return Some(key);
+                    return Some((key, priority));
                 }
                 state.delayed.peek().map(|Reverse((at, _, _))| *at)
             };
@@ -283,8 +283,8 @@ mod tests {
         q.add("a", Priority::Low);
         q.add("b", Priority::Low);
         assert_eq!(q.len(), 2);
-        assert_eq!(q.get().await, Some("a"));
-        assert_eq!(q.get().await, Some("b"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("a"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("b"));
         assert!(q.is_empty());
     }
 
@@ -295,9 +295,9 @@ mod tests {
         q.add("relist-2", Priority::Low);
         q.add("edit", Priority::High);
         q.add("relist-2", Priority::High); // raised by a real change
-        assert_eq!(q.get().await, Some("edit"));
-        assert_eq!(q.get().await, Some("relist-2"));
-        assert_eq!(q.get().await, Some("relist-1"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("edit"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("relist-2"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("relist-1"));
         assert!(q.is_empty());
     }
 
@@ -305,12 +305,12 @@ mod tests {
     async fn a_key_in_process_is_not_handed_out_twice_but_not_lost() {
         let q = queue();
         q.add("a", Priority::High);
-        assert_eq!(q.get().await, Some("a"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("a"));
         q.add("a", Priority::High);
         assert!(q.is_empty(), "must wait until the worker is done");
         q.done(&"a");
         assert_eq!(q.len(), 1);
-        assert_eq!(q.get().await, Some("a"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("a"));
     }
 
     #[tokio::test(start_paused = true)]
@@ -319,9 +319,9 @@ mod tests {
         q.add_after("late", Duration::from_secs(5), Priority::Low);
         q.add_after("later", Duration::from_secs(9), Priority::Low);
         let start = Instant::now();
-        assert_eq!(q.get().await, Some("late"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("late"));
         assert_eq!(start.elapsed(), Duration::from_secs(5));
-        assert_eq!(q.get().await, Some("later"));
+        assert_eq!(q.get().await.map(|(key, _)| key), Some("later"));
         assert_eq!(start.elapsed(), Duration::from_secs(9));
     }
 
@@ -340,8 +340,8 @@ mod tests {
         let q = queue();
         q.add("a", Priority::High);
         q.shut_down();
-        assert_eq!(q.get().await, None);
+        assert_eq!(q.get().await.map(|(key, _)| key), None);
         q.add("b", Priority::High);
-        assert_eq!(q.get().await, None);
+        assert_eq!(q.get().await.map(|(key, _)| key), None);
     }
 }

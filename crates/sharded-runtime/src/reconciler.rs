@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use super::gate::{Permit, WriteGate};
 use super::key::ObjectKey;
+use super::queue::Priority;
 use crate::error::Result;
 
 /// What to do after a successful reconcile.
@@ -27,12 +28,15 @@ pub enum Action {
 /// The business logic plugged into the runtime.
 pub trait Reconciler<S>: Send + Sync + 'static {
     /// Reconciles `object`, whose key is `key` (the cache's own, so whatever keeps it shares
-    /// it), writing only through `gate`.
+    /// it), writing only through `gate`. `lane` is the queue's lane the key was taken from:
+    /// [`Priority::Low`] for a backlog (a first list, a handoff, a resync), [`Priority::High`]
+    /// for a change.
     fn reconcile(
         &self,
         key: &ObjectKey,
         object: Arc<S>,
         gate: &dyn WriteGate,
+        lane: Priority,
     ) -> impl Future<Output = Result<Action>> + Send;
     /// The watch says the object is gone (deleted, or out of the slice): drop any state kept
     /// for it.

@@ -20,6 +20,7 @@ use sharded_runtime::error::Result;
 use sharded_runtime::gate::{WriteGate, bounded, with_server_timeout};
 use sharded_runtime::health::Health;
 use sharded_runtime::parts::{self, SliceWatch, Slicing};
+use sharded_runtime::queue::Priority;
 use sharded_runtime::watch_health::WatchHealth;
 use sharded_runtime::{Action, Controller, Gatekeeper, ObjectKey, Reconciler, Settings, cache, watch};
 use tokio_util::sync::CancellationToken;
@@ -84,7 +85,13 @@ struct Greeter {
 }
 
 impl Reconciler<Greeting> for Greeter {
-    async fn reconcile(&self, key: &ObjectKey, greeting: Arc<Greeting>, gate: &dyn WriteGate) -> Result<Action> {
+    async fn reconcile(
+        &self,
+        key: &ObjectKey,
+        greeting: Arc<Greeting>,
+        gate: &dyn WriteGate,
+        _: Priority,
+    ) -> Result<Action> {
         let mut child = greeting_of(key, &greeting, &self.member);
         let content = content_hash(&child);
         // Already as we would write it (from our last write, or the child watch): no write.

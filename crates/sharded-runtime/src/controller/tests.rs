@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 struct PanicsOnce(AtomicUsize);
 
 impl Reconciler<ConfigMap> for PanicsOnce {
-    async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>, _: &dyn WriteGate) -> Result<Action> {
+    async fn reconcile(&self, _: &ObjectKey, _: Arc<ConfigMap>, _: &dyn WriteGate, _: Priority) -> Result<Action> {
         if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
             panic!("a bug in the reconcile");
         }
@@ -25,7 +25,13 @@ impl Reconciler<ConfigMap> for PanicsOnce {
 struct Records(std::sync::Mutex<Vec<String>>);
 
 impl Reconciler<ConfigMap> for Records {
-    async fn reconcile(&self, key: &ObjectKey, object: Arc<ConfigMap>, _: &dyn WriteGate) -> Result<Action> {
+    async fn reconcile(
+        &self,
+        key: &ObjectKey,
+        object: Arc<ConfigMap>,
+        _: &dyn WriteGate,
+        _: Priority,
+    ) -> Result<Action> {
         let uid = object.metadata.uid.clone().unwrap_or_default();
         self.0.lock().unwrap().push(format!("reconcile {key} {uid}"));
         Ok(Action::Done)

@@ -32,7 +32,7 @@ use sharded_runtime::parts::{self, Buckets, SliceSelector, Slicing};
 use sharded_runtime::reconciler::Unguarded;
 use sharded_runtime::stored::Stored;
 use sharded_runtime::watch_health::WatchHealth;
-use sharded_runtime::{Action, Controller, ObjectKey, Reconciler, Settings, cache, watch};
+use sharded_runtime::{Action, Controller, ObjectKey, Priority, Reconciler, Settings, cache, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -172,6 +172,7 @@ impl Reconciler<NamespaceLabels> for NamespaceLabeller {
         key: &ObjectKey,
         namespace: Arc<NamespaceLabels>,
         gate: &dyn WriteGate,
+        _: Priority,
     ) -> Result<Action> {
         let name = key.name();
         let bucket = label_value(bucket_of(name));
