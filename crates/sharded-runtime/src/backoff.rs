@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+/// Exponential backoff from `base`, doubling per failure, capped at `cap`.
 #[derive(Clone, Copy, Debug)]
 pub struct Backoff {
     base: Duration,
@@ -12,6 +13,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// Backoff that starts at `base` and never exceeds `cap`.
     pub fn new(base: Duration, cap: Duration) -> Self {
         Self { base, cap }
     }

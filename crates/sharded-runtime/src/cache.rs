@@ -67,6 +67,7 @@ pub fn new<S>() -> (Cache<S>, CacheWriter<S>) {
 }
 
 impl<S> Cache<S> {
+    /// The stored form of the object under `key`, if cached.
     pub fn get(&self, key: &ObjectKey) -> Option<Arc<S>> {
         self.entry(key).map(|entry| entry.object)
     }
@@ -81,10 +82,12 @@ impl<S> Cache<S> {
         self.read().iter().map(|(key, entry)| (key.clone(), entry.object.clone())).collect()
     }
 
+    /// How many objects the cache holds.
     pub fn len(&self) -> usize {
         self.read().len()
     }
 
+    /// Whether the cache holds no object.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -30,6 +30,7 @@ pub enum ChildCommand {
     Unlisted { kind: &'static str, buckets: Buckets },
 }
 
+/// What child watch events mean to the controller: the state machine behind [`ChildFeed::on`].
 #[derive(Default)]
 pub struct ChildFeed {
     /// Parts that completed a list.
@@ -40,6 +41,7 @@ pub struct ChildFeed {
 }
 
 impl ChildFeed {
+    /// Takes one child event, records what it shows in `versions`, and says what to do.
     pub fn on(&mut self, event: ChildEvent, versions: &ChildVersions) -> Vec<ChildCommand> {
         match event {
             ChildEvent::Listing { kind, part, scope } => {

@@ -182,6 +182,8 @@ impl Drop for WriteGuard<'_> {
     }
 }
 
+/// What is known of each owner's children: the versions and content hashes last written or seen,
+/// and which owner generations were reported.
 #[derive(Default)]
 pub struct ChildVersions {
     inner: Mutex<Inner>,
@@ -414,6 +416,7 @@ impl ChildVersions {
         missing
     }
 
+    /// Whether nothing is known of any child.
     pub fn is_empty(&self) -> bool {
         self.lock().known.is_empty()
     }

@@ -44,6 +44,7 @@ use crate::error::{Error, Result};
 use crate::health::Health;
 use crate::metrics::{self, ControllerMetrics, QueueMetrics, ReconcileResult};
 
+/// How a [`Controller`] runs: its name in metrics and logs, workers, resync, and timeouts.
 #[derive(Clone, Debug)]
 pub struct Settings {
     /// The controller's name in metrics and logs.
@@ -61,6 +62,8 @@ pub struct Settings {
 /// The buckets whose objects the cache holds a completed list of (`None` before the first).
 pub type Listed = tokio::sync::watch::Receiver<Option<Buckets>>;
 
+/// Watch events into a two-lane work queue, and workers that reconcile one key at a time (see the
+/// module docs for the contract).
 pub struct Controller<S: Stored> {
     settings: Settings,
     queue: Arc<WorkQueue<ObjectKey>>,

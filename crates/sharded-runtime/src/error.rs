@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+/// Why a reconcile failed, and so whether it is retried.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The spec can never be applied as written (the API server refused it as invalid).
@@ -31,6 +32,7 @@ pub enum Error {
     Timeout(Duration),
 }
 
+/// A reconcile's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {

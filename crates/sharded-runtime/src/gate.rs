@@ -22,6 +22,8 @@ pub struct Permit {
     pub sent: Instant,
 }
 
+/// What a reconcile writes through: it says before each write whether the write may go, with which
+/// token, and how long it may take.
 pub trait WriteGate: Send + Sync {
     /// Right before a write: its [`Permit`], or [`Error::LostOwnership`] when this replica
     /// may no longer write.

@@ -21,6 +21,7 @@ impl Health {
         Arc::new(Self { waiting: Mutex::new(gates.iter().copied().collect()), ..Default::default() })
     }
 
+    /// Opens readiness gate `gate`.
     pub fn ready(&self, gate: &'static str) {
         self.set(gate, true);
     }
@@ -35,6 +36,7 @@ impl Health {
         }
     }
 
+    /// Not ready from now on: the process is shutting down.
     pub fn set_shutting_down(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
     }
@@ -54,10 +56,12 @@ impl Health {
         waiting
     }
 
+    /// Whether every gate is open and the process is not shutting down.
     pub fn is_ready(&self) -> bool {
         self.waiting_for().is_empty()
     }
 
+    /// What failed, if something did.
     pub fn failure(&self) -> Option<String> {
         self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }

@@ -16,10 +16,12 @@ use kube::{Resource, ResourceExt};
 pub struct ObjectKey(Arc<str>);
 
 impl ObjectKey {
+    /// The key of object `name` in `namespace` (empty for a cluster-scoped object).
     pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
         Self(format!("{}/{}", namespace.as_ref(), name.as_ref()).into())
     }
 
+    /// The key of `object`.
     pub fn of<K: Resource>(object: &K) -> Self {
         Self::new(object.meta().namespace.as_deref().unwrap_or_default(), object.name_any())
     }
@@ -28,10 +30,12 @@ impl ObjectKey {
         self.0.split_once('/').expect("a key is namespace/name")
     }
 
+    /// The object's namespace; empty for a cluster-scoped object.
     pub fn namespace(&self) -> &str {
         self.parts().0
     }
 
+    /// The object's name.
     pub fn name(&self) -> &str {
         self.parts().1
     }

@@ -20,6 +20,8 @@ use super::parts::Buckets;
 /// Misses in a row double the hold up to this many deadlines.
 const MAX_HOLD_DEADLINES: u32 = 16;
 
+/// Whether the watches list each owned bucket within the deadline; a miss stands for a hold that
+/// doubles with misses in a row.
 pub struct ListDeadline {
     deadline: Duration,
     hold: Backoff,
@@ -38,6 +40,7 @@ struct Missed {
 }
 
 impl ListDeadline {
+    /// A deadline of `deadline` per owned bucket.
     pub fn new(deadline: Duration) -> Self {
         let hold = Backoff::new(deadline, deadline.saturating_mul(MAX_HOLD_DEADLINES));
         Self { deadline, hold, unlisted_since: BTreeMap::new(), missed: None, misses: 0 }

@@ -114,28 +114,34 @@ pub struct QueueMetrics {
 }
 
 impl QueueMetrics {
+    /// The work queue metrics of controller `name`.
     pub fn new(name: &'static str) -> Self {
         Self { name }
     }
 
+    /// A key was added; the queue is now `depth` deep.
     pub fn added(&self, depth: QueueDepth) {
         counter!("workqueue_adds_total", "name" => self.name, "controller" => self.name).increment(1);
         self.set_depth(depth);
     }
 
+    /// A worker took a key that waited `waited`; the queue is now `depth` deep.
     pub fn handed_out(&self, waited: Duration, depth: QueueDepth) {
         histogram!("workqueue_queue_duration_seconds", "name" => self.name, "controller" => self.name).record(waited);
         self.set_depth(depth);
     }
 
+    /// A worker finished a key after `took`.
     pub fn work_done(&self, took: Duration) {
         histogram!("workqueue_work_duration_seconds", "name" => self.name, "controller" => self.name).record(took);
     }
 
+    /// A key was queued again with backoff.
     pub fn retry(&self) {
         counter!("workqueue_retries_total", "name" => self.name, "controller" => self.name).increment(1);
     }
 
+    /// How long each busy worker has been at its key, and the queue's depth.
     pub fn set_running(&self, running: &[Duration], depth: QueueDepth) {
         let unfinished: f64 = running.iter().map(Duration::as_secs_f64).sum();
         let longest = running.iter().max().copied().unwrap_or_default();
@@ -145,6 +151,7 @@ impl QueueMetrics {
         self.set_depth(depth);
     }
 
+    /// The age of the oldest key waiting.
     pub fn set_oldest_item_age(&self, age: Duration) {
         gauge!("workqueue_oldest_item_age_seconds", "name" => self.name, "controller" => self.name)
             .set(age.as_secs_f64());
@@ -177,6 +184,7 @@ pub enum ReconcileResult {
 }
 
 impl ReconcileResult {
+    /// The value of the `result` label.
     pub fn label(self) -> &'static str {
         match self {
             Self::Success => "success",
@@ -188,6 +196,7 @@ impl ReconcileResult {
 }
 
 impl ControllerMetrics {
+    /// The controller metrics of controller `name`, which runs `workers` workers.
     pub fn new(name: &'static str, workers: usize) -> Self {
         gauge!("controller_runtime_max_concurrent_reconciles", "controller" => name).set(workers as f64);
         gauge!("controller_runtime_active_workers", "controller" => name).set(0.0);
@@ -203,6 +212,7 @@ impl ControllerMetrics {
         Self { name }
     }
 
+    /// A reconcile ended with `result` after `took` (and an error of `error_kind`).
     pub fn reconciled(&self, result: ReconcileResult, took: Duration, error_kind: Option<&'static str>) {
         counter!("controller_runtime_reconcile_total", "controller" => self.name, "result" => result.label())
             .increment(1);
@@ -218,10 +228,12 @@ impl ControllerMetrics {
         counter!("controller_runtime_terminal_reconcile_errors_total", "controller" => self.name).increment(1);
     }
 
+    /// A reconcile panicked.
     pub fn panicked(&self) {
         counter!("controller_runtime_reconcile_panics_total", "controller" => self.name).increment(1);
     }
 
+    /// Workers busy now changed by `delta`.
     pub fn active_workers(&self, delta: f64) {
         gauge!("controller_runtime_active_workers", "controller" => self.name).increment(delta);
     }
@@ -232,6 +244,7 @@ pub fn set_cached_objects(resource: &'static str, count: usize) {
     gauge!(names().cached_objects, "resource" => resource).set(count as f64);
 }
 
+/// Whether the cache of `resource` holds a completed list.
 pub fn set_cache_synced(resource: &'static str, synced: bool) {
     gauge!(names().cache_synced, "resource" => resource).set(if synced { 1.0 } else { 0.0 });
 }

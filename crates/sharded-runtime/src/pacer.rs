@@ -11,6 +11,7 @@ use kube::Client;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+/// The limit, the requests in flight and any pause; shared by every request of a [`paced`] client.
 pub struct Pacer {
     state: Mutex<State>,
     room: Notify,
@@ -26,9 +27,12 @@ struct State {
 }
 
 impl Pacer {
+    /// Requests in flight at first.
     pub const START: usize = 16;
+    /// Requests in flight at most.
     pub const MAX: usize = 64;
 
+    /// A pacer at [`Pacer::START`].
     pub fn new() -> Arc<Self> {
         let state = State { limit: Self::START, in_flight: 0, answered: 0, paused_until: None };
         Arc::new(Self { state: Mutex::new(state), room: Notify::new() })

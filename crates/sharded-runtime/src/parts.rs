@@ -77,6 +77,7 @@ impl Slicing {
         (self.bucket_of)(meta)
     }
 
+    /// The scope of a part that covers `buckets`.
     pub fn scope(&self, buckets: Arc<Buckets>) -> Scope {
         Scope { buckets, slicing: self.clone() }
     }
@@ -95,6 +96,7 @@ impl Scope {
         Slicing::new(|_| Some(0), |_| 0, |_| None).scope(Arc::new(Buckets::from([0])))
     }
 
+    /// Whether the object with `meta` is in one of the scope's buckets.
     pub fn covers(&self, meta: &ObjectMeta) -> bool {
         self.holds(self.slicing.bucket_of(meta))
     }
@@ -115,6 +117,7 @@ impl Scope {
         self.buckets.contains(&(self.slicing.namespace_bucket)(namespace))
     }
 
+    /// The buckets the scope covers.
     pub fn buckets(&self) -> &Buckets {
         &self.buckets
     }

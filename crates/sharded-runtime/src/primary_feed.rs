@@ -45,6 +45,7 @@ struct Found {
     bucket: Option<u16>,
 }
 
+/// What primary watch events mean to the controller: the state machine behind [`PrimaryFeed::on`].
 #[derive(Default)]
 pub struct PrimaryFeed {
     /// What each part's list under way found.
@@ -56,6 +57,7 @@ pub struct PrimaryFeed {
 }
 
 impl PrimaryFeed {
+    /// Takes one event the cache has applied, and says what to do.
     pub fn on<K: Resource>(&mut self, cached: Cached<K>) -> Vec<PrimaryCommand> {
         use PrimaryCommand::*;
         let forget = |gone: Vec<ObjectKey>, lane: Priority| {

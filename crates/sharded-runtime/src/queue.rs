@@ -21,12 +21,15 @@ use tokio::time::Instant;
 use super::backoff::Backoff;
 use crate::metrics::{QueueDepth, QueueMetrics};
 
+/// A lane of the queue: high keys are handed out before low ones.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Priority {
     Low,
     High,
 }
 
+/// A deduplicating two-lane work queue with per-key backoff; a key is processed by one worker at a
+/// time.
 pub struct WorkQueue<K> {
     state: Mutex<State<K>>,
     notify: Notify,
@@ -55,6 +58,7 @@ struct State<K> {
 }
 
 impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
+    /// An empty queue whose retries follow `backoff`.
     pub fn new(backoff: Backoff, metrics: QueueMetrics) -> Self {
         Self {
             state: Mutex::new(State {
@@ -76,6 +80,8 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         }
     }
 
+    /// Queues `key` in lane `priority`. A key already queued moves up to a higher lane; one
+    /// being processed is queued again once done.
     pub fn add(&self, key: K, priority: Priority) {
         let mut state = self.lock();
         if state.shutting_down {
@@ -181,14 +187,17 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         self.notify.notify_waiters();
     }
 
+    /// Keys waiting in either lane.
     pub fn len(&self) -> usize {
         self.lock().queued.len()
     }
 
+    /// Whether no key waits.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Keys being processed now.
     pub fn in_flight(&self) -> usize {
         self.lock().processing.len()
     }

@@ -17,6 +17,7 @@ pub struct Retries<K> {
 }
 
 impl<K: Clone + Eq + std::hash::Hash> Retries<K> {
+    /// `key` failed (once more): it is due again after its backoff.
     pub fn later(&mut self, key: K) {
         let failures = self.failures.get(&key).map_or(1, |failures| failures + 1);
         self.later_with_failures(key, failures);
@@ -29,6 +30,7 @@ impl<K: Clone + Eq + std::hash::Hash> Retries<K> {
         self.due.insert(key, self.backoff.delay(failures));
     }
 
+    /// `key` succeeded: its next failure starts a new backoff.
     pub fn forget(&mut self, key: &K) {
         self.failures.remove(key);
     }
@@ -46,6 +48,7 @@ impl<K: Clone + Eq + std::hash::Hash> Retries<K> {
         }
     }
 
+    /// Keys waiting to be due.
     pub fn len(&self) -> usize {
         self.due.len()
     }
@@ -58,6 +61,7 @@ impl<K> Default for Retries<K> {
 }
 
 impl<K> Retries<K> {
+    /// Whether no key waits.
     pub fn is_empty(&self) -> bool {
         self.due.is_empty()
     }

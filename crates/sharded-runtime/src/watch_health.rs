@@ -24,6 +24,7 @@ pub const REFUSALS_BEFORE_BROKEN: u32 = 2;
 /// A list of one object with the refused watch's selector.
 pub type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), kube::Error>> + Send + Sync>;
 
+/// Which watches the API server refuses, and whether that makes them broken.
 #[derive(Default)]
 pub struct WatchHealth {
     /// By resource kind: the watches refused since their last successful list.
@@ -39,6 +40,7 @@ struct Refused {
 }
 
 impl WatchHealth {
+    /// No watch refused.
     pub fn new() -> Arc<Self> {
         Arc::default()
     }

@@ -36,6 +36,7 @@ pub type Epoch = u64;
 /// (its ConfigMap deleted before this leader saw it): they move after a lease duration.
 pub const UNKNOWN_OWNER: &str = "(previous)";
 
+/// One bucket's entry in the assignment.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Slot {
     Free,
@@ -60,6 +61,8 @@ impl Slot {
     }
 }
 
+/// The published bucket ownership: which member owns each bucket, with fencing epochs, under a
+/// generation.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Assignment {
     pub generation: u64,
@@ -176,6 +179,7 @@ impl Assignment {
         data
     }
 
+    /// Reads an assignment from a ConfigMap's data, as [`Assignment::encode`] wrote it.
     pub fn decode(data: &BTreeMap<String, String>) -> Result<Self, String> {
         let field = |k: &str| data.get(k).ok_or_else(|| format!("assignment has no {k:?}"));
         let generation = field("generation")?.parse().map_err(|e| format!("generation: {e}"))?;

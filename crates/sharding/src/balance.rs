@@ -56,6 +56,7 @@ pub struct Steadiness {
 }
 
 impl Steadiness {
+    /// Takes the total seen at `now`; true once it has held still long enough.
     pub fn observe(&mut self, total: u64, now: Instant) -> bool {
         match self.anchor {
             Some((anchor, since)) if total.abs_diff(anchor) * 100 <= anchor => now - since >= STEADY_FOR,

@@ -18,6 +18,7 @@ use xxhash_rust::xxh3::xxh3_64;
 /// enough that one replica's label selector stays a few kilobytes.
 pub const BUCKETS: u16 = 1024;
 
+/// A bucket of namespaces, 0 to [`BUCKETS`] − 1.
 pub type Bucket = u16;
 
 /// How buckets are computed and how a replica's watches select its slice.
@@ -31,6 +32,7 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The bucket of `namespace` in this mode.
     pub fn bucket_of(self, namespace: &str) -> Bucket {
         match self {
             Mode::Labels => bucket_of(namespace),
@@ -38,6 +40,7 @@ impl Mode {
         }
     }
 
+    /// The mode's name: `labels` or `shard-selector`.
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Labels => "labels",
@@ -45,6 +48,7 @@ impl Mode {
         }
     }
 
+    /// The mode named `value`.
     pub fn parse(value: &str) -> Option<Self> {
         [Mode::Labels, Mode::ShardSelector].into_iter().find(|m| m.as_str() == value)
     }

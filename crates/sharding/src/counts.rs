@@ -22,6 +22,7 @@ impl Report {
         format!("{}/{}", self.generation, encode_counts(&self.counts))
     }
 
+    /// Reads a report as [`Report::encode`] wrote it.
     pub fn decode(value: &str) -> Result<Self, String> {
         let (generation, counts) = value.split_once('/').ok_or_else(|| format!("no generation in {value:?}"))?;
         let generation = generation.parse().map_err(|e| format!("generation {generation:?}: {e}"))?;
@@ -35,6 +36,7 @@ pub fn encode_counts(counts: &Counts) -> String {
     entries.join(",")
 }
 
+/// Reads `bucket:count,…`.
 pub fn decode_counts(value: &str) -> Result<Counts, String> {
     value
         .split(',')

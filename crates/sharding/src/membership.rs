@@ -80,6 +80,7 @@ impl LeaseState {
     }
 }
 
+/// What the renewals seen here say of a member.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Liveness {
     /// Seen renewing within its lease duration: may be given buckets.
@@ -108,6 +109,7 @@ struct Observed {
 /// How many releasing incarnations a member entry remembers.
 const RELEASES_KEPT: usize = 4;
 
+/// Every member Lease seen, with its renewals as this process observed them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MemberTable {
     /// By pod name.
@@ -115,6 +117,7 @@ pub struct MemberTable {
 }
 
 impl MemberTable {
+    /// Records the Lease of `pod` as seen at `now`.
     pub fn observe(&mut self, pod: &str, state: LeaseState, now: Instant) {
         let Some(seen) = self.members.get_mut(pod) else {
             let observed =
@@ -239,6 +242,7 @@ impl MemberTable {
         (seen.state.holder() == Some(incarnation) && quiet).then(|| seen.state.renew_marker.clone().unwrap_or_default())
     }
 
+    /// The lease duration `incarnation`'s Lease states.
     pub fn lease_duration(&self, incarnation: &str) -> Option<Duration> {
         Some(self.members.get(pod_of(incarnation))?.state.duration)
     }

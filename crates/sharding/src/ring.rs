@@ -20,8 +20,10 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::bucket::{BUCKETS, Bucket};
 
+/// Points per member on the ring.
 pub const VNODES: u32 = 256;
 
+/// A consistent-hash ring of members.
 pub struct Ring {
     members: Vec<String>,
     /// (position, member index), sorted by position.
@@ -43,6 +45,7 @@ impl Ring {
         Self { members, points }
     }
 
+    /// The members, sorted by name.
     pub fn members(&self) -> &[String] {
         &self.members
     }

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::assignment::{Assignment, Epoch};
 use super::bucket::{Bucket, Mode};
 
+/// What applying an assignment changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Change {
     pub released: BTreeSet<Bucket>,
@@ -26,11 +27,14 @@ pub struct Change {
 }
 
 impl Change {
+    /// Whether nothing changed.
     pub fn is_empty(&self) -> bool {
         self.released.is_empty() && self.acquired.is_empty()
     }
 }
 
+/// What one replica may write now: its buckets with their epochs, its lease, its reconciles in
+/// flight.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Slice {
     me: String,
@@ -55,6 +59,7 @@ pub struct Slice {
 }
 
 impl Slice {
+    /// Incarnation `me`'s slice, empty.
     pub fn new(me: &str, mode: Mode, renew_deadline: Duration) -> Self {
         Self {
             me: me.to_string(),
@@ -120,10 +125,12 @@ impl Slice {
         Change { released, acquired }
     }
 
+    /// Whether our member Lease is ours at `now`.
     pub fn lease_valid(&self, now: Instant) -> bool {
         self.lease_until.is_some_and(|t| now < t)
     }
 
+    /// Whether a confirmed renewal cycle lets us write at `now`.
     pub fn may_write(&self, now: Instant) -> bool {
         self.valid_until.is_some_and(|t| now < t)
     }
@@ -143,6 +150,7 @@ impl Slice {
         Some(epoch)
     }
 
+    /// A reconcile of `bucket` that [`Slice::begin`] admitted ended.
     pub fn end(&mut self, bucket: Bucket) {
         if let Some(count) = self.in_flight.get_mut(&bucket) {
             *count -= 1;
@@ -178,10 +186,12 @@ impl Slice {
         (self.drain(now) && self.generation > 0).then_some(self.generation)
     }
 
+    /// The buckets owned now.
     pub fn owned(&self) -> BTreeSet<Bucket> {
         self.owned.keys().copied().collect()
     }
 
+    /// The generation of the assignment applied last.
     pub fn generation(&self) -> u64 {
         self.generation
     }

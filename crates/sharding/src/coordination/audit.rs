@@ -10,6 +10,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// Where the audit lines go (nowhere by default).
 #[derive(Clone, Default)]
 pub struct Audit {
     sink: Option<Arc<Mutex<File>>>,
@@ -18,6 +19,7 @@ pub struct Audit {
 }
 
 impl Audit {
+    /// An audit log appended to `path`, its lines naming `replica` and `incarnation`.
     pub fn open(path: &Path, replica: &str, incarnation: &str) -> anyhow::Result<Self> {
         let file = File::options()
             .create(true)
@@ -27,6 +29,7 @@ impl Audit {
         Ok(Self { sink: Some(Arc::new(Mutex::new(file))), replica: replica.into(), incarnation: incarnation.into() })
     }
 
+    /// Writes one line: `event` about `object`, with `detail`.
     pub fn record(&self, event: &str, object: &dyn std::fmt::Display, detail: &str) {
         let Some(sink) = &self.sink else { return };
         let t = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();

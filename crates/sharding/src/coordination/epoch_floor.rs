@@ -18,6 +18,7 @@ use kube::{Client, ResourceExt};
 /// How many generations one write of the reservation covers.
 pub const BLOCK: u64 = 1000;
 
+/// Why the floor could not be read or raised.
 #[derive(Debug, thiserror::Error)]
 pub enum FloorError {
     #[error(
@@ -29,6 +30,7 @@ pub enum FloorError {
     Malformed(String),
 }
 
+/// The generation floor on one CustomResourceDefinition, as last read or written.
 pub struct EpochFloor {
     crds: Api<CustomResourceDefinition>,
     object: String,

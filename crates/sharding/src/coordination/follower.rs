@@ -27,6 +27,7 @@ use crate::shard_range;
 use sharded_runtime::health::Health;
 use sharded_runtime::parts::{Buckets, SliceSelector};
 
+/// Applies each newly published assignment to this replica.
 pub struct Follower {
     config: ShardConfig,
     ownership: Arc<Ownership>,
@@ -65,6 +66,7 @@ impl Follower {
         Self { config, ownership, lease, view, configmaps, slice, health, audit, applied: 0 }
     }
 
+    /// Follows the assignment until `stop`.
     pub async fn run(mut self, stop: CancellationToken) {
         let selector = format!("metadata.name={}", self.config.names.assignment_configmap);
         let mut events =

@@ -63,6 +63,7 @@ impl LeaderDuties for NoDuties {
     }
 }
 
+/// This replica's candidacy, and its duties while it leads.
 pub struct Leader {
     duties: Arc<dyn LeaderDuties>,
     lock: LeaseLock,

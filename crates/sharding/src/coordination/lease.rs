@@ -49,6 +49,7 @@ pub enum RenewError {
     Api(#[from] kube::Error),
 }
 
+/// This incarnation's member Lease: its renewal cycles, acknowledgements and release.
 pub struct MemberLease {
     leases: Api<Lease>,
     configmaps: Api<ConfigMap>,
@@ -69,6 +70,8 @@ pub struct MemberLease {
 }
 
 impl MemberLease {
+    /// The Lease of `replica`, carrying `load` and saying when `watch_health` finds the watches
+    /// broken.
     pub fn new(client: Client, replica: &Replica, load: Arc<LoadReport>, watch_health: Arc<WatchHealth>) -> Self {
         let Replica { config, ownership, view } = replica.clone();
         Self {
@@ -254,6 +257,7 @@ impl MemberLease {
         self.ack.send_if_modified(|g| std::mem::replace(g, generation) != generation);
     }
 
+    /// The generation to acknowledge on the Lease.
     pub fn acknowledged(&self) -> u64 {
         *self.ack.borrow()
     }

@@ -19,6 +19,7 @@ use sharded_runtime::stored::Stored;
 /// How often the cache is counted: a rebalance waits for reports of the current generation.
 const COUNT_EVERY: Duration = Duration::from_secs(5);
 
+/// The latest count of this replica's objects per bucket.
 #[derive(Default)]
 pub struct LoadReport {
     latest: Mutex<Option<String>>,

@@ -16,6 +16,7 @@ use crate::counts::Report;
 use crate::membership::{Capability, LeaseState, MemberTable};
 use sharded_runtime::health::Health;
 
+/// The member table, kept by a watch of the member Leases.
 pub struct Members {
     table: Mutex<MemberTable>,
     changed: watch::Sender<u64>,
@@ -66,10 +67,12 @@ impl Members {
         f(&self.lock())
     }
 
+    /// Changes with every event of the watch.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changed.subscribe()
     }
 
+    /// Whether the watch has listed every member Lease.
     pub fn synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
     }
@@ -79,6 +82,7 @@ impl Members {
     }
 }
 
+/// What the membership needs of a member Lease.
 pub fn lease_state(lease: &Lease, names: &Names) -> LeaseState {
     let spec = lease.spec.clone().unwrap_or_default();
     let annotations = lease.annotations();

@@ -82,6 +82,7 @@ fn flag(on: bool) -> f64 {
     if on { 1.0 } else { 0.0 }
 }
 
+/// Whether a renewal cycle has confirmed this replica's right to write.
 pub fn set_lease_held(held: bool) {
     gauge!(NAMES.lease_held).set(flag(held));
 }
@@ -96,18 +97,22 @@ pub fn set_leader(program: &'static str, leading: bool) {
     gauge!("leader_election_master_status", "name" => program).set(flag(leading));
 }
 
+/// The largest replica's objects over the mean (leader).
 pub fn set_slice_imbalance(ratio: f64) {
     gauge!(NAMES.slice_imbalance).set(ratio);
 }
 
+/// Replicas seen renewing.
 pub fn set_members_alive(count: usize) {
     gauge!(NAMES.members_alive).set(count as f64);
 }
 
+/// Renewing replicas given no buckets (leader).
 pub fn set_members_idle(count: usize) {
     gauge!(NAMES.members_idle).set(count as f64);
 }
 
+/// Whether this replica can do its work.
 pub fn set_working(working: bool) {
     gauge!(NAMES.working).set(flag(working));
 }
@@ -117,10 +122,12 @@ pub fn set_shard_mode(mode: &'static str) {
     gauge!(NAMES.shard_mode, "mode" => mode).set(1.0);
 }
 
+/// Buckets this replica owns.
 pub fn set_buckets_owned(count: usize) {
     gauge!(NAMES.buckets_owned).set(count as f64);
 }
 
+/// Buckets this replica released and acquired.
 pub fn count_handoffs(released: usize, acquired: usize) {
     counter!(NAMES.handoffs, "direction" => "released").increment(released as u64);
     counter!(NAMES.handoffs, "direction" => "acquired").increment(acquired as u64);

@@ -142,6 +142,7 @@ pub struct ShardConfig {
 }
 
 impl ShardConfig {
+    /// This replica's member Lease.
     pub fn member_lease_name(&self) -> String {
         format!("{}{}", self.names.member_lease_prefix, self.identity)
     }

@@ -28,6 +28,8 @@ pub enum Requested {
     ShardSelector,
 }
 
+/// The mode to run in, as `requested` and as the API server allows (asking it with a list in
+/// `namespace`).
 pub async fn choose(client: &Client, namespace: &str, requested: Requested) -> anyhow::Result<Mode> {
     let mode = match requested {
         Requested::Labels => Mode::Labels,

@@ -18,6 +18,7 @@ use crate::assignment::{Assignment, Epoch};
 use crate::bucket::{Bucket, Mode};
 use crate::slice::{Change, Slice};
 
+/// What this replica may write now, shared by the follower, the Lease and every reconcile.
 pub struct Ownership {
     slice: Mutex<Slice>,
     /// Bumped on every change: the owned set, a confirmation, a reconcile ending.
@@ -27,6 +28,7 @@ pub struct Ownership {
 }
 
 impl Ownership {
+    /// Nothing owned yet.
     pub fn new(incarnation: &str, mode: Mode, renew_deadline: Duration, write_bound: Duration) -> Arc<Self> {
         let (changed, _) = watch::channel(0);
         let slice = Mutex::new(Slice::new(incarnation, mode, renew_deadline));
@@ -72,6 +74,7 @@ impl Ownership {
         change
     }
 
+    /// Whether our member Lease is ours now (leading needs it).
     pub fn lease_valid(&self) -> bool {
         self.lock().lease_valid(Instant::now())
     }
@@ -87,6 +90,7 @@ impl Ownership {
         Some(InFlight { ownership: self.clone(), bucket, epoch })
     }
 
+    /// The buckets owned now.
     pub fn owned(&self) -> BTreeSet<Bucket> {
         self.lock().owned()
     }
@@ -96,6 +100,7 @@ impl Ownership {
         self.lock().acknowledgeable(Instant::now())
     }
 
+    /// The generation of the assignment applied last.
     pub fn generation(&self) -> u64 {
         self.lock().generation()
     }
@@ -127,6 +132,7 @@ impl Ownership {
         }
     }
 
+    /// Changes with every assignment applied, renewal and reconcile that ends.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changed.subscribe()
     }

@@ -72,6 +72,7 @@ impl Default for AssignmentView {
 }
 
 impl AssignmentView {
+    /// The newest assignment read.
     pub fn get(&self) -> Option<Published> {
         self.current.borrow().clone()
     }
@@ -108,6 +109,7 @@ impl AssignmentView {
         });
     }
 
+    /// Changes with every newer assignment.
     pub fn subscribe(&self) -> watch::Receiver<Option<Published>> {
         self.current.subscribe()
     }
@@ -151,6 +153,7 @@ fn stored_before(a: Option<&str>, b: Option<&str>) -> bool {
     matches!((number(a), number(b)), (Some(a), Some(b)) if a < b)
 }
 
+/// The assignment in `cm`, with its resourceVersion; `None` (logged) when malformed.
 pub fn decode(cm: &ConfigMap) -> Option<(Assignment, String)> {
     let data = cm.data.as_ref()?;
     match Assignment::decode(data) {

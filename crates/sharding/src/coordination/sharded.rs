@@ -44,6 +44,7 @@ pub struct Sharded {
 }
 
 impl Sharded {
+    /// Admits reconciles by `ownership`, stamping tokens under `names`.
     pub fn new(ownership: Arc<Ownership>, names: Names, audit: Audit) -> Self {
         Self { ownership, names, audit }
     }

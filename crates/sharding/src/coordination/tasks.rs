@@ -43,6 +43,7 @@ pub struct Start<'a> {
     pub follower_wrapper: Option<TaskWrapper>,
 }
 
+/// This replica's part in the protocol, running: what the controller needs of it, and its tasks.
 pub struct Coordination {
     pub ownership: Arc<Ownership>,
     /// The buckets this replica owns, for the watches.
