@@ -12,11 +12,17 @@ pub enum Mode {
     Floor,
     /// The same reconcile on controller-runtime (loadtest/peers/controller-runtime), one process.
     ControllerRuntime,
+    /// controller-runtime tuned for many objects (`-tuned`): `--workers` concurrent reconciles,
+    /// managed fields stripped from the cache, metadata-only children written by apply.
+    ControllerRuntimeTuned,
     /// The same reconcile on a plain kube-rs `Controller` (the `kube-rs-peer` binary), one process.
     KubeRs,
     /// The same reconcile on kube-runtime's `Controller` with the operator's trimming, generation
     /// predicate and metadata-only child watches (`kube-rs-peer --trimmed`), one process.
     KubeRsTrimmed,
+    /// The trimmed kube-rs peer with its concurrency bounded to `--workers` (kube-runtime's
+    /// default is unbounded).
+    KubeRsTuned,
 }
 
 /// How the operator's replicas select their slices (operator mode).
@@ -63,7 +69,7 @@ pub struct Args {
     /// Operator replicas (operator mode).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
-    /// Workers per replica (operator mode).
+    /// Workers per replica (operator mode), and the tuned peers' concurrency.
     #[arg(long, default_value_t = traffic_policy_operator::cli::DEFAULT_WORKERS)]
     pub workers: u16,
     /// Requests the tool keeps in flight while creating (and, in floor mode, writing).

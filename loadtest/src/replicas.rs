@@ -79,10 +79,15 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
 /// A peer controller: one process, with only a kubeconfig. It has no metrics port.
 pub(super) fn start_peer(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<Replica> {
     let kube_rs_peer = || std::env::current_exe().map(|exe| exe.with_file_name("kube-rs-peer"));
+    let workers = args.workers.to_string();
     let (name, binary, extra_args) = match args.mode {
-        Mode::KubeRs => ("kube-rs-peer", kube_rs_peer()?, &[][..]),
-        Mode::KubeRsTrimmed => ("kube-rs-trimmed-peer", kube_rs_peer()?, &["--trimmed"][..]),
-        _ => ("controller-runtime-peer", controller_runtime_peer()?, &[][..]),
+        Mode::KubeRs => ("kube-rs-peer", kube_rs_peer()?, vec![]),
+        Mode::KubeRsTrimmed => ("kube-rs-trimmed-peer", kube_rs_peer()?, vec!["--trimmed"]),
+        Mode::KubeRsTuned => ("kube-rs-tuned-peer", kube_rs_peer()?, vec!["--trimmed", "--concurrency", &workers]),
+        Mode::ControllerRuntimeTuned => {
+            ("controller-runtime-tuned-peer", controller_runtime_peer()?, vec!["-tuned", "-workers", &workers])
+        }
+        _ => ("controller-runtime-peer", controller_runtime_peer()?, vec![]),
     };
     anyhow::ensure!(binary.is_file(), "no peer binary at {}", binary.display());
     let log = cp.dir().join(format!("{name}.log"));
@@ -92,11 +97,14 @@ pub(super) fn start_peer(cp: &controlplane::ControlPlane, args: &Args) -> anyhow
     Ok(Replica { name: name.into(), process, metrics_port: 0 })
 }
 
-/// Builds the controller-runtime peer once (Go, from the module proxy) into target/loadtest.
+/// Builds the controller-runtime peer (Go, from the module proxy) into target/loadtest, once
+/// and again whenever its source is newer than the binary.
 pub(super) fn controller_runtime_peer() -> anyhow::Result<PathBuf> {
     let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/controller-runtime");
     let binary = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/loadtest/controller-runtime-peer");
-    if !binary.is_file() {
+    let modified = |path: &std::path::Path| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let stale = ["main.go", "go.mod"].iter().any(|file| modified(&source.join(file)) > modified(&binary));
+    if stale {
         eprintln!("building the controller-runtime peer (once; a minute or two)...");
         let status = std::process::Command::new("go")
             .args(["build", "-trimpath", "-o"])

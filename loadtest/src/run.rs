@@ -37,7 +37,7 @@ pub async fn run_until_interrupted(
         return crate::cluster::run(args, interrupt).await;
     }
     // Built before any clock starts: a first build must not count as the peer's time.
-    if args.mode == Mode::ControllerRuntime {
+    if matches!(args.mode, Mode::ControllerRuntime | Mode::ControllerRuntimeTuned) {
         controller_runtime_peer()?;
     }
     let release = controlplane::Release::of_tests();
@@ -97,7 +97,7 @@ async fn drive(cp: &controlplane::ControlPlane, args: &Args) -> anyhow::Result<s
     let mut replicas = match args.mode {
         Mode::Operator => start_replicas(cp, &client, args).await?,
         Mode::Floor => Vec::new(),
-        Mode::ControllerRuntime | Mode::KubeRs | Mode::KubeRsTrimmed => vec![start_peer(cp, args)?],
+        _ => vec![start_peer(cp, args)?],
     };
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let pids: Watched =

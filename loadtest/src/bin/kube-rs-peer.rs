@@ -10,6 +10,9 @@
 //! (generation) reconciled, and children watched as metadata only with the operator's label
 //! selector (`for_stream`, `owns_stream`). Comparing the operator with this peer isolates
 //! what the operator's queue, predicate and controller buy over kube-runtime's.
+//!
+//! `--concurrency N`: at most N reconciles at once, as a user tunes kube-runtime for many
+//! objects; its default runs every queued reconcile at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +22,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Client;
 use kube::api::{Api, PartialObjectMeta};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::{Action, Config, Controller};
 use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
 use traffic_policy_operator::api::ApplicationTrafficPolicy;
 use traffic_policy_operator::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
@@ -62,7 +65,9 @@ fn trimmed(client: &Client) -> Controller<ApplicationTrafficPolicy> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let kubeconfig = std::env::args().skip_while(|a| a != "--kubeconfig").nth(1);
+    let flag_value = |flag: &str| std::env::args().skip_while(|a| a != flag).nth(1);
+    let kubeconfig = flag_value("--kubeconfig");
+    let concurrency: u16 = flag_value("--concurrency").map(|n| n.parse()).transpose()?.unwrap_or(0);
     let config = match kubeconfig {
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)?;
@@ -72,6 +77,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let client = Client::try_from(config)?;
     let controller = if std::env::args().any(|a| a == "--trimmed") { trimmed(&client) } else { plain(&client) };
+    let controller = controller.with_config(Config::default().concurrency(concurrency));
     controller.shutdown_on_signal().run(reconcile, error_policy, Arc::new(client)).for_each(|_| async {}).await;
     Ok(())
 }
