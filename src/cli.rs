@@ -138,6 +138,12 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_REBALANCE_MIN_OBJECTS", default_value_t = Balance::default().min_excess)]
     pub rebalance_min_objects: u64,
 
+    /// How many policies this replica can hold; the leader never gives it more, and reports
+    /// what no replica has room for. `auto`: from the container's memory limit (none without
+    /// one); `none`: no bound.
+    #[arg(long, env = "TPO_CAPACITY", default_value = "auto")]
+    pub capacity: crate::coordination::capacity::Capacity,
+
     /// How a replica's watches select its slice: `shard-selector` (the API server's
     /// ShardedListAndWatch), `labels` (bucket labels), or `auto` (the shard
     /// selector if the server honours it). Every replica of a fleet must end up in one mode.
@@ -206,6 +212,8 @@ impl RunArgs {
             floor_object: ApplicationTrafficPolicy::crd_name().to_string(),
             names: crate::coordination::NAMES,
             version: env!("CARGO_PKG_VERSION").into(),
+            capacity: self.capacity.resolve(),
+            watch_namespace: self.watch_namespace.clone(),
         })
     }
 }

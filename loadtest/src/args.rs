@@ -69,6 +69,12 @@ pub struct Args {
     /// Operator replicas (operator mode).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
+    /// Each replica's `--capacity` (operator mode). The run then converges when every policy is
+    /// Ready but exactly as many as the leader reports unplaced (`traffic_policy_unplaced_objects`),
+    /// for 5 s. Needs --preload: a policy reconciled before its bucket was found not to fit
+    /// stays Ready.
+    #[arg(long, requires = "preload")]
+    pub capacity: Option<u64>,
     /// Workers per replica (operator mode), and the tuned peers' concurrency.
     #[arg(long, default_value_t = traffic_policy_operator::cli::DEFAULT_WORKERS)]
     pub workers: u16,

@@ -108,6 +108,7 @@ fn run_args(args: &Args, (label, mode, replicas, sharding): Planned, round: u16)
         operator_namespace: "traffic-policy-operator".into(),
         slo: None,
         namespace_prefix: "load-".into(),
+        capacity: None,
         run_label: None,
     }
 }

@@ -60,6 +60,9 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
         format!("--shard-mode={}", args.sharding.name()),
         "--log-level=warn".to_string(),
     ];
+    if let Some(capacity) = args.capacity {
+        process_args.push(format!("--capacity={capacity}"));
+    }
     if let Some(seconds) = args.resync_seconds {
         process_args.push(format!("--resync-period={seconds}s"));
     }

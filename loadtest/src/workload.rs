@@ -266,9 +266,19 @@ pub(super) async fn wait_converged(
     pids: &Watched,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_seconds);
+    // With capacities: how long the pending policies have matched the leader's unplaced count.
+    let mut matched_since: Option<Instant> = None;
     loop {
-        if tracker.lock().unwrap().pending() == 0 {
+        let pending = tracker.lock().unwrap().pending();
+        if pending == 0 {
             return Ok(());
+        }
+        if args.capacity.is_some() {
+            let matched = pending as u64 == unplaced_reported(replicas);
+            matched_since = matched_since.filter(|_| matched).or(matched.then(Instant::now));
+            if matched_since.is_some_and(|since| since.elapsed() >= Duration::from_secs(5)) {
+                return Ok(());
+            }
         }
         if let Some(at) = kill
             && Instant::now() >= at
@@ -286,6 +296,15 @@ pub(super) async fn wait_converged(
         anyhow::ensure!(Instant::now() < deadline, "not converged after {} s", args.timeout_seconds);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The policies the leader reports that no replica has room for (the others report none).
+pub(super) fn unplaced_reported(replicas: &[Replica]) -> u64 {
+    let reported = replicas.iter().map(|r| {
+        let metrics = controlplane::http_get_plain(r.metrics_port, "/metrics").unwrap_or_default();
+        crate::sample::metric(&metrics, "traffic_policy_unplaced_objects") as u64
+    });
+    reported.max().unwrap_or(0)
 }
 
 /// Waits until every policy sent has converged, or `--timeout-seconds` passes.

@@ -2,10 +2,12 @@
 //! crate's `coordination` (re-exported here); the operator adds:
 //! - [`NAMES`]: its Leases, ConfigMap, labels and annotations, under `trafficpolicy.dev`;
 //! - [`labeller`]: in label mode, the leader's bucket labels on policies that came without one;
-//! - [`shards_report`]: the `shards` command's report.
+//! - [`shards_report`]: the `shards` command's report;
+//! - [`capacity`]: how many policies a replica can hold, from `--capacity` or its memory limit.
 //!
 //! docs/sharding.md describes the protocol and why no two replicas write one object at once.
 
+pub mod capacity;
 pub mod labeller;
 pub mod shards_report;
 

@@ -13,8 +13,9 @@ use crate::api::ApplicationTrafficPolicy;
 use crate::sharding::assignment::Slot;
 use crate::sharding::membership::pod_of;
 
-/// Prints one line per replica: its lease holder, buckets, policies, and the namespaces
-/// with policies that fall in its buckets; then any namespace too big for a fair share.
+/// Prints one line per replica: its lease holder, buckets, policies (and capacity), and the
+/// namespaces with policies that fall in its buckets; then the policies no replica has room
+/// for, and any namespace too big for a fair share.
 pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     let cm = Api::<ConfigMap>::namespaced(client.clone(), namespace)
         .get_opt(ASSIGNMENT_CONFIGMAP)
@@ -39,6 +40,15 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     let mut held: BTreeMap<String, usize> = BTreeMap::new();
     let mut per_namespace: BTreeMap<String, usize> = BTreeMap::new();
     let mut unowned: BTreeSet<String> = BTreeSet::new();
+    // Free buckets, while members advertise capacities: what the leader left unplaced.
+    let (mut unplaced, mut unplaced_policies) = (BTreeSet::new(), 0);
+    let capacities: BTreeMap<String, u64> = member_leases
+        .iter()
+        .filter_map(|lease| {
+            let state = super::members::lease_state(lease, &super::NAMES);
+            Some((state.holder.clone()?, state.capability?.capacity?))
+        })
+        .collect();
     for policy in &policies.items {
         let ns = policy.namespace().unwrap_or_default();
         *per_namespace.entry(ns.clone()).or_default() += 1;
@@ -46,6 +56,10 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             Slot::Owned { member, .. } => {
                 *held.entry(member.clone()).or_default() += 1;
                 namespaces.entry(member.clone()).or_default().insert(ns);
+            }
+            Slot::Free if !capacities.is_empty() => {
+                unplaced_policies += 1;
+                unplaced.insert(ns);
             }
             _ => {
                 unowned.insert(ns);
@@ -71,6 +85,10 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         let owned = namespaces.get(member).cloned().unwrap_or_default();
         let list: Vec<&str> = owned.iter().map(String::as_str).collect();
         let (buckets, count) = (shares.get(member).copied().unwrap_or(0), held.get(member).copied().unwrap_or(0));
+        let count = match capacities.get(member) {
+            Some(capacity) => format!("{count}/{capacity}"),
+            None => count.to_string(),
+        };
         println!("{member:<36} {lease:<9} {buckets:>7} {count:>8}  {}", list.join(","));
     }
     if !unowned.is_empty() {
@@ -81,6 +99,14 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             "",
             "",
             unowned.into_iter().collect::<Vec<_>>().join(",")
+        );
+    }
+    if !unplaced.is_empty() {
+        println!(
+            "unplaced: {unplaced_policies} policies in {} namespaces, more than the replicas' capacities hold; nobody \
+             reconciles them (docs/operations.md, TrafficPolicyUnplacedObjects): {}",
+            unplaced.len(),
+            unplaced.into_iter().collect::<Vec<_>>().join(",")
         );
     }
     for lease in member_leases {

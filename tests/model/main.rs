@@ -131,6 +131,8 @@ fn landing_bound() -> u64 {
         floor_object: String::new(),
         names: traffic_policy_operator::coordination::NAMES,
         version: String::new(),
+        capacity: None,
+        watch_namespace: None,
     };
     config.landing_bound().as_millis() as u64
 }

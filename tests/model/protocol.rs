@@ -134,7 +134,12 @@ impl Protocol {
             seen_generation: Some(lease.seen),
             uid: Some(format!("uid-{}", pod_of(&lease.holder))),
             load: None,
-            capability: Some(Capability { mode: MODE.as_str().into(), version: "model".into(), not_working: None }),
+            capability: Some(Capability {
+                mode: MODE.as_str().into(),
+                version: "model".into(),
+                not_working: None,
+                capacity: None,
+            }),
         }
     }
 
@@ -169,7 +174,9 @@ impl Protocol {
             };
             (self.release)(since, facts)
         };
-        let Some(next) = next_assignment(&current, &receivers, &release, None, republish) else { return };
+        let Some(next) = next_assignment(&current, &receivers, &Default::default(), &release, None, republish) else {
+            return;
+        };
         let next = Stored::of(&next);
         // The untracked buckets are free in the model: publish only what moves the tracked one.
         if !republish && next.slot == Stored::of(&current).slot {

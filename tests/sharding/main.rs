@@ -7,6 +7,7 @@
 //! each starts its own fleet in its own operator namespace, with its own policies.
 
 mod audit;
+mod capacity;
 #[path = "../common/mod.rs"]
 mod common;
 mod faults;

@@ -57,6 +57,8 @@ pub async fn run(client: Client, name: &str, namespace: &str, shutdown: Cancella
         floor_object: "greetings.example.com".into(),
         names: NAMES,
         version: env!("CARGO_PKG_VERSION").into(),
+        capacity: None,
+        watch_namespace: None,
     };
     let (health, audit) = (Health::with_gates(&["members", "assignment"]), Audit::default());
     let mut critical = JoinSet::new();

@@ -230,15 +230,46 @@ impl<F: Fn(&str, u64) -> bool> Release for F {
     }
 }
 
+/// The objects each member can hold, by incarnation, as it advertises; a member not listed
+/// can hold any number.
+pub type Capacities = BTreeMap<String, u64>;
+
 /// Who the ring wants for each bucket: incarnations of `receivers`, balanced by `objects`
 /// (by bucket count without them). The ring places pods, not incarnations, so a restarted
 /// pod gets its old slice back.
 pub fn desired(receivers: &BTreeSet<String>, objects: Option<&Counts>) -> Vec<Option<String>> {
+    desired_within(receivers, objects, &Capacities::new())
+}
+
+/// [`desired`], with no member given more objects than its capacity: a bucket that fits
+/// under nobody's is wanted by nobody.
+pub fn desired_within(
+    receivers: &BTreeSet<String>,
+    objects: Option<&Counts>,
+    capacities: &Capacities,
+) -> Vec<Option<String>> {
     let by_pod: BTreeMap<&str, &str> = receivers.iter().map(|m| (pod_of(m), m.as_str())).collect();
-    let pods: Vec<&str> = by_pod.keys().copied().collect();
-    let ring = Ring::new(&pods);
-    let owners = ring.assign_names_weighted(&counts::weights(objects));
-    owners.into_iter().map(|pod| pod.map(|p| by_pod[p].to_string())).collect()
+    let ring = Ring::new(&by_pod.keys().copied().collect::<Vec<_>>());
+    let capacity: Vec<u64> = ring
+        .members()
+        .iter()
+        .map(|pod| capacities.get(by_pod[pod.as_str()]).map_or(u64::MAX, |c| counts::capacity_weight(*c)))
+        .collect();
+    let owners = ring.assign_within(&counts::weights(objects), &capacity);
+    owners.into_iter().map(|owner| owner.map(|i| by_pod[ring.members()[i].as_str()].to_string())).collect()
+}
+
+/// The buckets, with their objects, that no member of `receivers` has room for: what stays
+/// unplaced while the fleet's capacities hold less than `objects`.
+pub fn unplaced(receivers: &BTreeSet<String>, objects: &Counts, capacities: &Capacities) -> Counts {
+    if receivers.is_empty() {
+        return Counts::new();
+    }
+    let wanted = desired_within(receivers, Some(objects), capacities);
+    (0..BUCKETS)
+        .filter(|b| wanted[usize::from(*b)].is_none())
+        .map(|b| (b, objects.get(&b).copied().unwrap_or(0)))
+        .collect()
 }
 
 /// The next assignment, or `None` when nothing can change yet.
@@ -252,8 +283,20 @@ pub fn plan(
     release: &impl Release,
     rebalanced: Option<Counts>,
 ) -> Option<Assignment> {
+    plan_within(current, receivers, &Capacities::new(), release, rebalanced)
+}
+
+/// [`plan`] within the members' `capacities`: a bucket that no member has room for is
+/// revoked from its owner and, once released, left free.
+pub fn plan_within(
+    current: &Assignment,
+    receivers: &BTreeSet<String>,
+    capacities: &Capacities,
+    release: &impl Release,
+    rebalanced: Option<Counts>,
+) -> Option<Assignment> {
     let objects = rebalanced.or_else(|| current.objects.clone());
-    let desired = desired(receivers, objects.as_ref());
+    let desired = desired_within(receivers, objects.as_ref(), capacities);
     let next = current.generation + 1;
     let give = |want: Option<&str>| want.map_or(Slot::Free, |m| Slot::Owned { member: m.to_string(), epoch: next });
     let slots: Vec<Slot> = current
@@ -263,11 +306,13 @@ pub fn plan(
         .map(|(slot, want)| match slot {
             Slot::Owned { member, .. } if want == Some(member.as_str()) => slot.clone(),
             // Nobody to give it to: leave it where it is.
-            Slot::Owned { .. } if want.is_none() => slot.clone(),
+            Slot::Owned { .. } if want.is_none() && receivers.is_empty() => slot.clone(),
+            // Another member wants it, or nobody has room for it.
             Slot::Owned { member, .. } => Slot::Draining { from: member.clone(), since: next },
             // Back to the member that is draining it: nobody else had it meanwhile.
             Slot::Draining { from, .. } if want == Some(from.as_str()) => give(want),
-            Slot::Draining { from, since } if want.is_some() && release.let_go(from, *since) => give(want),
+            // To its new owner, or freed when nobody has room for it.
+            Slot::Draining { from, since } if release.let_go(from, *since) => give(want),
             Slot::Draining { .. } => slot.clone(),
             Slot::Free => give(want),
         })
@@ -302,11 +347,12 @@ pub fn starting_point(known: Option<Assignment>, republish: bool, reserved: u64,
 pub fn next_assignment(
     current: &Assignment,
     receivers: &BTreeSet<String>,
+    capacities: &Capacities,
     release: &impl Release,
     rebalanced: Option<Counts>,
     republish: bool,
 ) -> Option<Assignment> {
-    plan(current, receivers, release, rebalanced).or_else(|| {
+    plan_within(current, receivers, capacities, release, rebalanced).or_else(|| {
         (republish && current.generation > 0)
             .then(|| Assignment { generation: current.generation + 1, ..current.clone() })
     })
@@ -432,6 +478,32 @@ pub(crate) mod tests {
         }
         let moved = plan(&revoked, &set(&["a", "b"]), &|from: &str, _: u64| from == "c", None).unwrap();
         assert!(lost.keys().all(|b| !matches!(&moved.slots[usize::from(*b)], Slot::Draining { .. })));
+    }
+
+    #[test]
+    fn no_member_is_given_more_than_it_can_hold_and_the_rest_is_freed() {
+        let members = set(&["a", "b"]);
+        let objects: Counts = (0..BUCKETS).map(|b| (b, 10)).collect();
+        let settled = plan(&Assignment::default(), &members, &never, Some(objects.clone())).unwrap();
+        assert_eq!(settled.unowned(&members), 0);
+        // Room for 3,000 of the 10,240 objects each.
+        let capacities = Capacities::from([("a".into(), 3000), ("b".into(), 3000)]);
+        let revoked = plan_within(&settled, &members, &capacities, &never, None).unwrap();
+        let draining = revoked.slots.iter().filter(|s| matches!(s, Slot::Draining { .. })).count();
+        assert!(draining >= 1024 - 600, "what does not fit is revoked: {draining}");
+        let freed = plan_within(&revoked, &members, &capacities, &always, None).unwrap();
+        let free = freed.slots.iter().filter(|s| **s == Slot::Free).count();
+        let left_out = unplaced(&members, &objects, &capacities);
+        assert_eq!(free, left_out.len(), "freed once released: exactly what fits nowhere");
+        assert_eq!(left_out.values().map(|n| u64::from(*n)).sum::<u64>(), 10240 - 6000);
+        for member in ["a", "b"] {
+            let held: u64 = freed.owned_by(member, Mode::Labels).keys().map(|b| u64::from(objects[b])).sum();
+            assert_eq!(held, 3000, "{member} is filled to its capacity, and no further");
+        }
+        assert_eq!(plan_within(&freed, &members, &capacities, &always, None), None, "and it stays so");
+        // Without capacities, the free buckets are given again (and a few others move).
+        let given = plan(&freed, &members, &always, None).unwrap();
+        assert!(given.slots.iter().all(|s| *s != Slot::Free));
     }
 
     #[test]

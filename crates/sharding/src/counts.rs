@@ -60,6 +60,12 @@ pub fn weights(counts: Option<&Counts>) -> Vec<u64> {
     (0..BUCKETS).map(|b| count(b) * u64::from(BUCKETS) + 1).collect()
 }
 
+/// A member's capacity of `objects`, in the ring's weight: [`weights`] of any buckets that
+/// hold `objects` or fewer in all sum to no more than this, of any that hold more, to more.
+pub fn capacity_weight(objects: u64) -> u64 {
+    objects.saturating_add(1).saturating_mul(u64::from(BUCKETS))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,5 +79,23 @@ mod tests {
         assert!(Report::decode("3:10").unwrap_err().contains("no generation"));
         assert!(Report::decode("1/1024:1").unwrap_err().contains("out of range"));
         assert!(Report::decode("1/5").unwrap_err().contains("bad entry"));
+    }
+
+    #[test]
+    fn a_capacity_admits_exactly_its_objects() {
+        let weight = |counts: &Counts| -> u64 {
+            let w = weights(Some(counts));
+            counts.keys().map(|b| w[usize::from(*b)]).sum()
+        };
+        // Worst case for the +1 per bucket: the objects spread over every bucket.
+        let spread = |total: u32| -> Counts {
+            (0..BUCKETS).map(|b| (b, total / 1024 + u32::from(u32::from(b) < total % 1024))).collect()
+        };
+        for capacity in [0u32, 5, 1023, 1024, 5000] {
+            let cap = capacity_weight(u64::from(capacity));
+            assert!(weight(&spread(capacity)) <= cap, "{capacity} objects fit");
+            assert!(weight(&spread(capacity + 1)) > cap, "{} objects do not", capacity + 1);
+            assert!(weight(&Counts::from([(7, capacity + 1)])) > cap);
+        }
     }
 }

@@ -5,6 +5,7 @@
 //! - [`ring`]: buckets → members by consistent hashing with bounded loads;
 //! - [`counts`]: objects per bucket, as replicas report them and the ring weighs them;
 //! - [`balance`]: when to balance slices by their objects rather than their buckets;
+//! - [`capacity`]: slices within what each member can hold;
 //! - [`membership`]: incarnations, and which members are alive, from locally observed
 //!   lease renewals;
 //! - [`assignment`]: the published bucket ownership, with fencing epochs, and the leader's
@@ -20,6 +21,7 @@
 pub mod assignment;
 pub mod balance;
 pub mod bucket;
+pub mod capacity;
 pub mod coordination;
 pub mod counts;
 pub mod membership;

@@ -59,6 +59,8 @@ pub struct Capability {
     /// Why it cannot do its work (watches refused, renewal cycles that never complete);
     /// `None` while it works.
     pub not_working: Option<String>,
+    /// How many objects it can hold; `None`: no bound.
+    pub capacity: Option<u64>,
 }
 
 impl LeaseState {
@@ -220,6 +222,21 @@ impl MemberTable {
         (seen.state.holder() == Some(incarnation)).then_some(seen.state.acked_generation).flatten()
     }
 
+    /// Whether any member advertises a capacity.
+    pub fn any_capacity(&self) -> bool {
+        self.members.values().any(|m| m.state.capability.as_ref().is_some_and(|c| c.capacity.is_some()))
+    }
+
+    /// The capacities that `members` advertise, by incarnation; those without one are left out.
+    pub fn capacities(&self, members: &BTreeSet<String>) -> crate::assignment::Capacities {
+        let advertised = self.members.values().filter_map(|m| {
+            let holder = m.state.holder()?;
+            let capacity = m.state.capability.as_ref()?.capacity?;
+            members.contains(holder).then(|| (holder.to_string(), capacity))
+        });
+        advertised.collect()
+    }
+
     /// Each holder's latest report of what it holds, by incarnation.
     pub fn load_reports(&self) -> BTreeMap<String, Report> {
         let reports =
@@ -283,7 +300,7 @@ mod tests {
             seen_generation: None,
             uid: Some("uid-1".into()),
             load: None,
-            capability: Some(Capability { mode: MODE.into(), version: "1".into(), not_working: None }),
+            capability: Some(Capability { mode: MODE.into(), version: "1".into(), not_working: None, capacity: None }),
         }
     }
 
@@ -404,7 +421,8 @@ mod tests {
             capability,
             ..lease(holder, renew)
         };
-        let works_in = |mode: &str| Some(Capability { mode: mode.into(), version: "1".into(), not_working: None });
+        let works_in =
+            |mode: &str| Some(Capability { mode: mode.into(), version: "1".into(), not_working: None, capacity: None });
         let broken =
             Some(Capability { not_working: Some("the watch of X is refused: 403".into()), ..works_in(MODE).unwrap() });
         for (pod, capability) in

@@ -13,6 +13,10 @@
 //! only while its weight fits under ⌈total / members⌉. With equal weights it is exactly the
 //! bucket-count rule above. With uneven weights a membership change moves more than 1/N of
 //! the weight (up to about four shares in the tests below): the price of tight balance.
+//!
+//! [`Ring::assign_within`] also holds each member under its own capacity: a bucket that fits
+//! under no member's capacity is left without an owner, rather than given to a member that
+//! cannot hold it.
 
 use std::sync::OnceLock;
 
@@ -58,12 +62,20 @@ impl Ring {
     /// The owner of every bucket, with loads bounded by `weights` (one per bucket) rather
     /// than by bucket count.
     pub fn assign_weighted(&self, weights: &[u64]) -> Vec<Option<usize>> {
+        self.assign_within(weights, &vec![u64::MAX; self.members.len()])
+    }
+
+    /// The owner of every bucket, with loads bounded by `weights`, and each member's load
+    /// also by its `capacity` (one per member, in [`Ring::members`]' order, in weight). A
+    /// bucket that fits under no member's capacity has no owner.
+    pub fn assign_within(&self, weights: &[u64], capacity: &[u64]) -> Vec<Option<usize>> {
         debug_assert_eq!(weights.len(), usize::from(BUCKETS));
+        debug_assert_eq!(capacity.len(), self.members.len());
         let mut owners = vec![None; usize::from(BUCKETS)];
         if self.members.is_empty() {
             return owners;
         }
-        let capacity = weights.iter().sum::<u64>().div_ceil(self.members.len() as u64);
+        let fair = weights.iter().sum::<u64>().div_ceil(self.members.len() as u64);
         let mut load = vec![0u64; self.members.len()];
         // Heaviest first, so that what is left to place can fill the gaps (ties by bucket,
         // so that equal weights place buckets in their order).
@@ -74,12 +86,16 @@ impl Ring {
             let position = bucket_position(bucket);
             let start = self.points.partition_point(|(point, _)| *point < position);
             let mut clockwise = (0..self.points.len()).map(|step| self.points[(start + step) % self.points.len()].1);
-            let owner = clockwise
-                .find(|&member| load[member] + weight <= capacity)
-                // Fits nowhere (only when weights are uneven): the least loaded member.
-                .unwrap_or_else(|| (0..load.len()).min_by_key(|&m| (load[m], m)).expect("members"));
-            load[owner] += weight;
-            owners[usize::from(bucket)] = Some(owner);
+            let room = |member: usize, bound: u64| load[member].saturating_add(weight) <= bound;
+            let owner = clockwise.find(|&member| room(member, fair.min(capacity[member]))).or_else(|| {
+                // Over the fair share (only when weights are uneven): the least loaded member
+                // that has room for it.
+                (0..load.len()).filter(|&m| room(m, capacity[m])).min_by_key(|&m| (load[m], m))
+            });
+            if let Some(owner) = owner {
+                load[owner] += weight;
+            }
+            owners[usize::from(bucket)] = owner;
         }
         owners
     }
@@ -129,6 +145,28 @@ mod tests {
     #[test]
     fn no_members_no_owners() {
         assert!(Ring::new::<&str>(&[]).assign().iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn no_member_is_given_more_than_its_capacity() {
+        let ring = Ring::new(&["a", "b", "c"]);
+        let weights: Vec<u64> = (0..BUCKETS).map(|b| u64::from(b % 7) + 1).collect();
+        let total: u64 = weights.iter().sum();
+        let capacity = [total / 5, total / 10, u64::MAX];
+        let owners = ring.assign_within(&weights, &capacity);
+        let mut load = [0u64; 3];
+        for (bucket, owner) in owners.iter().enumerate() {
+            if let Some(m) = owner {
+                load[*m] += weights[bucket];
+            }
+        }
+        assert!(load[0] <= capacity[0] && load[1] <= capacity[1], "{load:?} over {capacity:?}");
+        assert!(owners.iter().all(Option::is_some), "the unbounded member takes what the others cannot");
+        // Room for only part of the total: what is left out is what fits nowhere.
+        let owners = ring.assign_within(&weights, &[total / 4, total / 4, total / 4]);
+        let placed: u64 = (0..usize::from(BUCKETS)).filter(|&b| owners[b].is_some()).map(|b| weights[b]).sum();
+        assert!(placed <= 3 * (total / 4) && placed > 3 * (total / 4) - 3 * 7, "placed {placed} of {total}");
+        assert_eq!(ring.assign_within(&weights, &[u64::MAX; 3]), ring.assign_weighted(&weights));
     }
 
     #[test]

@@ -26,6 +26,7 @@ use kube_leader_election::{LeaseLock, LeaseLockParams, LeaseLockResult};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::census::Census;
 use super::epoch_floor::EpochFloor;
 use super::members::{Members, lease_state};
 use super::metrics as m;
@@ -37,6 +38,7 @@ use crate::assignment::{
 };
 use crate::balance::{self, Steadiness};
 use crate::bucket::Mode;
+use crate::capacity;
 use crate::counts::Counts;
 use crate::membership::{Liveness, pod_of};
 
@@ -85,6 +87,8 @@ pub struct Leader {
     steadiness: Mutex<Steadiness>,
     /// The renewing members given nothing, as last logged.
     idle_logged: Mutex<BTreeMap<String, String>>,
+    /// Our own count of every bucket's objects, while members advertise capacities.
+    census: Arc<Census>,
 }
 
 impl Leader {
@@ -100,6 +104,7 @@ impl Leader {
             lock: LeaseLock::new(client.clone(), &config.namespace, params),
             configmaps: Api::namespaced(client.clone(), &config.namespace),
             floor: EpochFloor::new(client.clone(), &config.floor_object, config.names.floor_annotation),
+            census: Arc::new(Census::new(client.clone(), &config.floor_object, config.watch_namespace.clone())),
             leases: Api::namespaced(client, &config.namespace),
             duties,
             config,
@@ -123,6 +128,7 @@ impl Leader {
         let mut was_leading = false;
         let mut members_changed = self.members.subscribe();
         let mut view_changed = self.view.subscribe();
+        let mut counted = self.census.subscribe();
         loop {
             let now = Instant::now();
             if now >= next_attempt {
@@ -145,8 +151,13 @@ impl Leader {
                     let stop_duties = CancellationToken::new();
                     if let Some(work) = self.duties.lead(self.ownership.mode(), stop_duties.clone()) {
                         tokio::spawn(work);
-                        duties = Some(stop_duties);
                     }
+                    tokio::spawn({
+                        let (census, members, stop) = (self.census.clone(), self.members.clone(), stop_duties.clone());
+                        let mode = self.ownership.mode();
+                        async move { census.keep(mode, || members.with(|t| t.any_capacity()), stop).await }
+                    });
+                    duties = Some(stop_duties);
                 }
                 self.publish(None).await;
                 self.collect_abandoned().await;
@@ -156,13 +167,16 @@ impl Leader {
                     stop_duties.cancel();
                 }
                 self.duties.stopped();
+                self.census.forget();
                 m::set_slice_imbalance(0.0);
+                m::set_unplaced(0, 0);
             }
             was_leading = leading;
             tokio::select! {
                 _ = tokio::time::sleep_until(next_attempt) => {}
                 _ = members_changed.changed() => {}
                 _ = view_changed.changed() => {}
+                _ = counted.changed() => {}
                 _ = stop.cancelled() => {
                     if let Some(stop_duties) = duties.take() {
                         stop_duties.cancel();
@@ -260,10 +274,23 @@ impl Leader {
             receivers.remove(leaving);
         }
         m::set_members_alive(receivers.len());
-        let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
-        m::record_unowned(current.unowned(&receivers), last.map_or(Duration::ZERO, |t| now - t));
         let rebalanced = if leaving.is_none() { self.rebalance(&current, &receivers) } else { None };
-        next_assignment(&current, &receivers, &release, rebalanced, republish).map(|next| (next, resource_version))
+        let capacities = self.members.with(|t| t.capacities(&receivers));
+        if capacity::reported_over(&self.members.with(|t| t.load_reports()), &capacities) {
+            self.census.count_soon();
+        }
+        let census = self.census.latest();
+        let Some(placement) = capacity::place(&current, &receivers, &capacities, census.as_ref(), rebalanced) else {
+            tracing::debug!("members advertise capacities; not planning before the objects are counted");
+            return None;
+        };
+        m::set_unplaced(placement.unplaced.len(), placement.unplaced_objects());
+        // What nobody has room for is reported as unplaced, not as unowned.
+        let unowned = current.unowned(&receivers).saturating_sub(placement.unplaced.len());
+        let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
+        m::record_unowned(unowned, last.map_or(Duration::ZERO, |t| now - t));
+        next_assignment(&current, &receivers, &capacities, &release, placement.rebalanced, republish)
+            .map(|next| (next, resource_version))
     }
 
     /// Says once per change which renewing members get no buckets, and why.

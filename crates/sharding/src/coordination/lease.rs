@@ -230,6 +230,10 @@ impl MemberLease {
         }
         annotations.insert(names.mode_annotation.into(), self.ownership.mode().as_str().into());
         annotations.insert(names.version_annotation.into(), self.config.version.clone());
+        match self.config.capacity {
+            Some(capacity) => annotations.insert(names.capacity_annotation.into(), capacity.to_string()),
+            None => annotations.remove(names.capacity_annotation),
+        };
         match self.not_working() {
             Some(why) => annotations.insert(names.not_working_annotation.into(), why),
             None => annotations.remove(names.not_working_annotation),

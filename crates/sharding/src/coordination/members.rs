@@ -90,6 +90,8 @@ pub fn lease_state(lease: &Lease, names: &Names) -> LeaseState {
         mode: mode.clone(),
         version: annotations.get(names.version_annotation).cloned().unwrap_or_default(),
         not_working: annotations.get(names.not_working_annotation).cloned(),
+        // Malformed: no bound, as from a version that advertised none.
+        capacity: annotations.get(names.capacity_annotation).and_then(|c| c.parse().ok()),
     });
     LeaseState {
         holder: spec.holder_identity,

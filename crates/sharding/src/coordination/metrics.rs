@@ -22,6 +22,9 @@ struct MetricNames {
     unowned_milliseconds: &'static str,
     bucket_label_errors: &'static str,
     namespace_labels: &'static str,
+    capacity: &'static str,
+    unplaced_objects: &'static str,
+    unplaced_buckets: &'static str,
 }
 
 static NAMES: LazyLock<MetricNames> = LazyLock::new(|| {
@@ -41,6 +44,9 @@ static NAMES: LazyLock<MetricNames> = LazyLock::new(|| {
         unowned_milliseconds: name("unowned_milliseconds_total"),
         bucket_label_errors: name("bucket_label_errors_total"),
         namespace_labels: name("namespace_labels_total"),
+        capacity: name("capacity_objects"),
+        unplaced_objects: name("unplaced_objects"),
+        unplaced_buckets: name("unplaced_buckets"),
     }
 });
 
@@ -66,7 +72,16 @@ pub fn describe() {
     );
     describe_gauge!(n.buckets_owned, "Namespace buckets this replica owns.");
     describe_counter!(n.handoffs, "Buckets acquired or released by this replica.");
-    describe_gauge!(n.unowned_buckets, "Buckets no live replica owns (reported by the leader).");
+    describe_gauge!(
+        n.unowned_buckets,
+        "Buckets no live replica owns, other than those no replica has room for (reported by the leader)."
+    );
+    describe_gauge!(n.capacity, "Objects this replica can hold, as advertised on its Lease (absent: no bound).");
+    describe_gauge!(
+        n.unplaced_objects,
+        "Objects in buckets that no replica has room for: nobody reconciles them (reported by the leader)."
+    );
+    describe_gauge!(n.unplaced_buckets, "Buckets that no replica has room for (reported by the leader).");
     describe_gauge!(
         n.slice_imbalance,
         "The largest replica's objects over the mean, from the replicas' reports (reported by the leader)."
@@ -139,6 +154,17 @@ pub fn record_unowned(unowned: usize, elapsed: Duration) {
     if unowned > 0 {
         counter!(NAMES.unowned_milliseconds).increment(elapsed.as_millis() as u64);
     }
+}
+
+/// The objects this replica can hold.
+pub fn set_capacity(objects: u64) {
+    gauge!(NAMES.capacity).set(objects as f64);
+}
+
+/// What no replica has room for (leader).
+pub fn set_unplaced(buckets: usize, objects: u64) {
+    gauge!(NAMES.unplaced_buckets).set(buckets as f64);
+    gauge!(NAMES.unplaced_objects).set(objects as f64);
 }
 
 /// Labelling an object (retried) or a namespace with its bucket failed.

@@ -15,6 +15,8 @@
 //! - [`ownership`]: what this replica may write right now, with the fencing epoch;
 //! - [`sharded`]: the gatekeeper that puts each reconcile behind that check;
 //! - [`load`]: this replica's count of objects per bucket, reported on its member Lease;
+//! - [`census`]: the leader's own count of every bucket's objects, when members have
+//!   capacities;
 //! - [`mode`]: the start-up choice of shard selector or labels;
 //! - [`tasks`]: all of it started and stopped as one ([`Coordination`]);
 //! - [`audit`]: an optional log of reconciles and writes, for tests of the protocol;
@@ -24,6 +26,7 @@
 //! (see [`names!`](crate::names)).
 
 pub mod audit;
+pub mod census;
 pub mod epoch_floor;
 pub mod follower;
 pub mod leader;
@@ -80,6 +83,8 @@ pub struct Names {
     pub mode_annotation: &'static str,
     pub version_annotation: &'static str,
     pub not_working_annotation: &'static str,
+    /// On a member Lease: how many objects its holder can hold (a leader gives it no more).
+    pub capacity_annotation: &'static str,
     /// On the CustomResourceDefinition that keeps the generation floor.
     pub floor_annotation: &'static str,
 }
@@ -105,6 +110,7 @@ macro_rules! names {
             mode_annotation: concat!($domain, "/shard-mode"),
             version_annotation: concat!($domain, "/version"),
             not_working_annotation: concat!($domain, "/not-working"),
+            capacity_annotation: concat!($domain, "/capacity"),
             floor_annotation: concat!($domain, "/reserved-generation"),
         }
     };
@@ -139,6 +145,11 @@ pub struct ShardConfig {
     pub names: Names,
     /// The program's version, on its member Lease.
     pub version: String,
+    /// How many objects this replica can hold, on its member Lease; `None`: no bound.
+    pub capacity: Option<u64>,
+    /// Where the program's watches look (`None`: every namespace): what the leader counts
+    /// when members advertise capacities.
+    pub watch_namespace: Option<String>,
 }
 
 impl ShardConfig {

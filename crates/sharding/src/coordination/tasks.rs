@@ -66,6 +66,10 @@ impl Coordination {
     pub async fn start(start: Start<'_>, critical: &mut JoinSet<&'static str>) -> anyhow::Result<Self> {
         let Start { config: shard, client: coordination, health, audit, .. } = start;
         let mode = mode::choose(coordination, &shard.namespace, start.mode).await?;
+        if let Some(capacity) = shard.capacity {
+            tracing::info!(capacity, "advertising a capacity: the leader gives this replica no more objects");
+            super::metrics::set_capacity(capacity);
+        }
         let ownership = Ownership::new(&shard.incarnation, mode, shard.renew_deadline, shard.write_bound());
         let members = Arc::new(Members::default());
         let view = Arc::new(AssignmentView::default());
