@@ -8,7 +8,7 @@ use std::time::Duration;
 use stateright::{Model, Property};
 use traffic_policy_operator::coordination::published::Published;
 use traffic_policy_operator::sharding::assignment::{
-    DrainFacts, Slot, may_reassign, next_assignment, starting_point, track_revocations,
+    DrainFacts, Slot, Wanted, may_reassign, next_assignment, starting_point, track_revocations,
 };
 use traffic_policy_operator::sharding::bucket::Mode;
 use traffic_policy_operator::sharding::membership::{Capability, LeaseState, Liveness, pod_of};
@@ -174,7 +174,8 @@ impl Protocol {
             };
             (self.release)(since, facts)
         };
-        let Some(next) = next_assignment(&current, &receivers, &Default::default(), &release, None, republish) else {
+        let wanted = Wanted::of(&current, &receivers, &Default::default(), None);
+        let Some(next) = next_assignment(&current, &receivers, wanted, &release, republish) else {
             return;
         };
         let next = Stored::of(&next);

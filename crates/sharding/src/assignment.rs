@@ -259,17 +259,37 @@ pub fn desired_within(
     owners.into_iter().map(|owner| owner.map(|i| by_pod[ring.members()[i].as_str()].to_string())).collect()
 }
 
-/// The buckets, with their objects, that no member of `receivers` has room for: what stays
-/// unplaced while the fleet's capacities hold less than `objects`.
-pub fn unplaced(receivers: &BTreeSet<String>, objects: &Counts, capacities: &Capacities) -> Counts {
-    if receivers.is_empty() {
-        return Counts::new();
+/// Who the ring wants for each bucket, and the counts it placed them by.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Wanted {
+    /// The counts to publish with the plan (`None`: by bucket count).
+    pub objects: Option<Counts>,
+    /// The member wanted for each bucket; `None` where nobody has room.
+    pub owners: Vec<Option<String>>,
+}
+
+impl Wanted {
+    /// Placed by `rebalanced`, or by the counts `current` was published with.
+    pub fn of(
+        current: &Assignment,
+        receivers: &BTreeSet<String>,
+        capacities: &Capacities,
+        rebalanced: Option<Counts>,
+    ) -> Self {
+        let objects = rebalanced.or_else(|| current.objects.clone());
+        let owners = desired_within(receivers, objects.as_ref(), capacities);
+        Self { objects, owners }
     }
-    let wanted = desired_within(receivers, Some(objects), capacities);
-    (0..BUCKETS)
-        .filter(|b| wanted[usize::from(*b)].is_none())
-        .map(|b| (b, objects.get(&b).copied().unwrap_or(0)))
-        .collect()
+
+    /// The buckets, with their objects, that no member has room for: what stays unplaced while
+    /// the fleet's capacities hold less than the objects. None without receivers.
+    pub fn unplaced(&self, receivers: &BTreeSet<String>) -> Counts {
+        let (Some(objects), false) = (&self.objects, receivers.is_empty()) else { return Counts::new() };
+        (0..BUCKETS)
+            .filter(|b| self.owners[usize::from(*b)].is_none())
+            .map(|b| (b, objects.get(&b).copied().unwrap_or(0)))
+            .collect()
+    }
 }
 
 /// The next assignment, or `None` when nothing can change yet.
@@ -295,14 +315,23 @@ pub fn plan_within(
     release: &impl Release,
     rebalanced: Option<Counts>,
 ) -> Option<Assignment> {
-    let objects = rebalanced.or_else(|| current.objects.clone());
-    let desired = desired_within(receivers, objects.as_ref(), capacities);
+    plan_towards(current, receivers, Wanted::of(current, receivers, capacities, rebalanced), release)
+}
+
+/// The step from `current` towards the owners `wanted`, revoking before reassigning.
+pub fn plan_towards(
+    current: &Assignment,
+    receivers: &BTreeSet<String>,
+    wanted: Wanted,
+    release: &impl Release,
+) -> Option<Assignment> {
+    let Wanted { objects, owners } = wanted;
     let next = current.generation + 1;
     let give = |want: Option<&str>| want.map_or(Slot::Free, |m| Slot::Owned { member: m.to_string(), epoch: next });
     let slots: Vec<Slot> = current
         .slots
         .iter()
-        .zip(desired.iter().map(Option::as_deref))
+        .zip(owners.iter().map(Option::as_deref))
         .map(|(slot, want)| match slot {
             Slot::Owned { member, .. } if want == Some(member.as_str()) => slot.clone(),
             // Nobody to give it to: leave it where it is.
@@ -347,12 +376,11 @@ pub fn starting_point(known: Option<Assignment>, republish: bool, reserved: u64,
 pub fn next_assignment(
     current: &Assignment,
     receivers: &BTreeSet<String>,
-    capacities: &Capacities,
+    wanted: Wanted,
     release: &impl Release,
-    rebalanced: Option<Counts>,
     republish: bool,
 ) -> Option<Assignment> {
-    plan_within(current, receivers, capacities, release, rebalanced).or_else(|| {
+    plan_towards(current, receivers, wanted, release).or_else(|| {
         (republish && current.generation > 0)
             .then(|| Assignment { generation: current.generation + 1, ..current.clone() })
     })
@@ -493,7 +521,7 @@ pub(crate) mod tests {
         assert!(draining >= 1024 - 600, "what does not fit is revoked: {draining}");
         let freed = plan_within(&revoked, &members, &capacities, &always, None).unwrap();
         let free = freed.slots.iter().filter(|s| **s == Slot::Free).count();
-        let left_out = unplaced(&members, &objects, &capacities);
+        let left_out = Wanted::of(&settled, &members, &capacities, None).unplaced(&members);
         assert_eq!(free, left_out.len(), "freed once released: exactly what fits nowhere");
         assert_eq!(left_out.values().map(|n| u64::from(*n)).sum::<u64>(), 10240 - 6000);
         for member in ["a", "b"] {

@@ -14,15 +14,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::assignment::{Assignment, Capacities, Slot, unplaced};
+use super::assignment::{Assignment, Capacities, Slot, Wanted};
 use super::balance::loads;
 use super::counts::{Counts, Report};
 
 /// What the leader plans by.
 #[derive(Debug, PartialEq)]
 pub struct Placement {
-    /// Counts to publish and place by (`None`: keep the published ones).
-    pub rebalanced: Option<Counts>,
+    /// The owners to plan towards, and the counts to publish with them.
+    pub wanted: Wanted,
     /// The buckets, with their objects, that no member has room for.
     pub unplaced: Counts,
 }
@@ -36,6 +36,7 @@ impl Placement {
 
 /// What to plan by: `rebalanced` as the replicas' reports gave it when nobody has a
 /// capacity; `None` while capacities must be honoured and nothing has been counted yet.
+/// The ring is built once here, and the plan goes towards its owners.
 pub fn place(
     current: &Assignment,
     receivers: &BTreeSet<String>,
@@ -44,7 +45,10 @@ pub fn place(
     rebalanced: Option<Counts>,
 ) -> Option<Placement> {
     if capacities.is_empty() {
-        return Some(Placement { rebalanced, unplaced: Counts::new() });
+        return Some(Placement {
+            wanted: Wanted::of(current, receivers, capacities, rebalanced),
+            unplaced: Counts::new(),
+        });
     }
     let census = census?;
     let total = |counts: &Counts| counts.values().map(|n| u64::from(*n)).sum::<u64>();
@@ -58,8 +62,9 @@ pub fn place(
     };
     let rebalanced =
         if recount && current.objects.as_ref() != Some(census) { Some(census.clone()) } else { rebalanced };
-    let by = rebalanced.as_ref().or(current.objects.as_ref()).unwrap_or(census);
-    Some(Placement { unplaced: unplaced(receivers, by, capacities), rebalanced })
+    // Counted at least once by now: `recount` holds while nothing is published.
+    let wanted = Wanted::of(current, receivers, capacities, rebalanced);
+    Some(Placement { unplaced: wanted.unplaced(receivers), wanted })
 }
 
 /// Whether a member reports holding more objects than its capacity: objects created since
@@ -72,7 +77,7 @@ pub fn reported_over(reports: &BTreeMap<String, Report>, capacities: &Capacities
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::assignment::plan;
+    use crate::assignment::plan_towards;
     use crate::assignment::tests::{never, set};
     use crate::bucket::BUCKETS;
 
@@ -86,7 +91,8 @@ mod tests {
         let current = Assignment::default();
         let reported = Some(even(1));
         let placement = place(&current, &members, &Capacities::new(), None, reported.clone()).unwrap();
-        assert_eq!(placement, Placement { rebalanced: reported, unplaced: Counts::new() });
+        assert_eq!(placement.wanted.objects, reported);
+        assert_eq!(placement.unplaced, Counts::new());
     }
 
     #[test]
@@ -110,18 +116,20 @@ mod tests {
         let capacities = Capacities::from([("a".into(), 4000), ("b".into(), 4000)]);
         let census = even(5); // 5,120 objects, room for 8,000
         let first = place(&Assignment::default(), &members, &capacities, Some(&census), None).unwrap();
-        assert_eq!(first.rebalanced.as_ref(), Some(&census), "nothing published yet");
+        assert_eq!(first.wanted.objects.as_ref(), Some(&census), "nothing published yet");
         assert_eq!(first.unplaced_objects(), 0);
-        let settled = plan(&Assignment::default(), &members, &never, first.rebalanced).unwrap();
+        let settled = plan_towards(&Assignment::default(), &members, first.wanted, &never).unwrap();
         let same = place(&settled, &members, &capacities, Some(&census), None).unwrap();
-        assert_eq!(same.rebalanced, None, "the published count holds");
+        assert_eq!(same.wanted.objects.as_ref(), Some(&census), "the published count holds");
+        assert_eq!(plan_towards(&settled, &members, same.wanted, &never), None, "and nothing moves");
         // 0.5 % more: within the hysteresis, and under both capacities.
         let drift: Counts = census.iter().map(|(b, n)| (*b, if *b < 26 { n + 1 } else { *n })).collect();
-        assert_eq!(place(&settled, &members, &capacities, Some(&drift), None).unwrap().rebalanced, None);
+        let drifted = place(&settled, &members, &capacities, Some(&drift), None).unwrap();
+        assert_eq!(drifted.wanted.objects.as_ref(), Some(&census), "the published count holds");
         // Twice the objects: more than the fleet holds, and a member would hold too many.
         let grown = even(10);
         let placement = place(&settled, &members, &capacities, Some(&grown), None).unwrap();
-        assert_eq!(placement.rebalanced.as_ref(), Some(&grown));
+        assert_eq!(placement.wanted.objects.as_ref(), Some(&grown));
         assert_eq!(placement.unplaced_objects(), 10240 - 8000, "exactly what is over the fleet's room");
     }
 }

@@ -289,7 +289,7 @@ impl Leader {
         let unowned = current.unowned(&receivers).saturating_sub(placement.unplaced.len());
         let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
         m::record_unowned(unowned, last.map_or(Duration::ZERO, |t| now - t));
-        next_assignment(&current, &receivers, &capacities, &release, placement.rebalanced, republish)
+        next_assignment(&current, &receivers, placement.wanted, &release, republish)
             .map(|next| (next, resource_version))
     }
 
