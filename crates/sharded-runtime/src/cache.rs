@@ -25,7 +25,7 @@ use kube::runtime::watcher;
 
 use super::key::ObjectKey;
 use super::parts::Scope;
-use super::predicate::{Sight, sight};
+use super::predicate::{Sight, first_sight, sight};
 use super::stored::Stored;
 
 /// A cached object and its bucket (`None`: in no bucket, e.g. a malformed bucket label).
@@ -143,7 +143,7 @@ impl<S: Stored> CacheWriter<S> {
                         (key.clone(), cached.clone(), Sight::Same)
                     }
                     Some((key, cached)) => (key.clone(), stored(object), sight(Some(cached.object.as_ref()), object)),
-                    None => (key, stored(object), Sight::New),
+                    None => (key, stored(object), first_sight::<S>(object)),
                 };
                 self.listing.entry(part).or_default().insert(key.clone(), entry);
                 CacheChange::object(key, sight)
@@ -169,7 +169,7 @@ impl<S: Stored> CacheWriter<S> {
                 let key = ObjectKey::of(object);
                 let (key, sight) = match objects.get_key_value(&key) {
                     Some((cached_key, cached)) => (cached_key.clone(), sight(Some(cached.object.as_ref()), object)),
-                    None => (key, Sight::New),
+                    None => (key, first_sight::<S>(object)),
                 };
                 let replaced = objects.insert(key.clone(), entry);
                 drop(objects);

@@ -23,6 +23,9 @@ pub enum Sight {
     Same,
     /// Not seen before.
     New,
+    /// Not seen before, and the object says its latest change awaits the controller
+    /// ([`Stored::shows_unobserved_change`]): edited during a handoff or a restart.
+    Unobserved,
     /// A new uid under a known name: the object cached under that name was deleted and this
     /// one created while the watch was down. What was kept for the old one must go.
     Replaced,
@@ -30,9 +33,14 @@ pub enum Sight {
     Changed,
 }
 
+/// What a first sight of `object` is: new, or showing a change that awaits the controller.
+pub fn first_sight<S: Stored>(object: &S::Object) -> Sight {
+    if S::shows_unobserved_change(object) { Sight::Unobserved } else { Sight::New }
+}
+
 /// How `object` differs from `cached`, what was last seen under its name.
 pub fn sight<S: Stored>(cached: Option<&S>, object: &S::Object) -> Sight {
-    let Some(cached) = cached else { return Sight::New };
+    let Some(cached) = cached else { return first_sight::<S>(object) };
     let now = object.meta();
     if !cached.has_uid(now.uid.as_deref()) {
         Sight::Replaced
@@ -56,9 +64,11 @@ pub enum List {
 
 impl List {
     /// Backlog (the first list, and objects a new slice brings) goes low; a new generation,
-    /// or an object created during a watch gap, goes high.
+    /// an object created during a watch gap, or one whose latest change awaits the
+    /// controller, goes high.
     pub fn priority_of(self, sight: Sight) -> Priority {
         match (self, sight) {
+            (_, Sight::Unobserved) => Priority::High,
             (List::First, _) | (List::NewSlice, Sight::New | Sight::Replaced) => Priority::Low,
             _ => Priority::High,
         }
@@ -92,6 +102,8 @@ mod tests {
         use Priority::{High, Low};
         for (list, sight, lane) in [
             (List::First, Sight::New, Low),
+            (List::First, Sight::Unobserved, High),
+            (List::NewSlice, Sight::Unobserved, High),
             (List::First, Sight::Changed, Low),
             (List::NewSlice, Sight::New, Low),
             (List::NewSlice, Sight::Changed, High),

@@ -176,8 +176,9 @@ mod tests {
         let mut feed = PrimaryFeed::default();
         let first = list(&mut feed, 0, &[1], &[("ns-1", Sight::New)]);
         assert_eq!(first, [Unlisted([1].into()), Enqueue(key("ns-1"), Priority::Low), Listed([1].into())]);
-        let gained = list(&mut feed, 1, &[2], &[("ns-2", Sight::New)]);
+        let gained = list(&mut feed, 1, &[2, 3], &[("ns-2", Sight::New), ("ns-3", Sight::Unobserved)]);
         assert_eq!(gained[1], Enqueue(key("ns-2"), Priority::Low), "a handoff's gain waits behind real changes");
+        assert_eq!(gained[2], Enqueue(key("ns-3"), Priority::High), "unless it was edited meanwhile");
         let relist = list(&mut feed, 0, &[1], &[("ns-1", Sight::Changed)]);
         assert_eq!(relist[1], Enqueue(key("ns-1"), Priority::High), "an edit found after a watch gap");
         let relist = list(&mut feed, 1, &[2], &[("ns-2", Sight::New)]);

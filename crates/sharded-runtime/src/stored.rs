@@ -20,6 +20,12 @@ pub trait Stored: Send + Sync + Sized + 'static {
     }
     /// Whether this is `resource_version` of the object (never when either has none).
     fn is_version(&self, resource_version: Option<&str>) -> bool;
+    /// Whether `object` itself says that its latest change awaits the controller (as a
+    /// status that observed an older generation does): met for the first time in a list,
+    /// it is an edit, not backlog. By default nothing says so.
+    fn shows_unobserved_change(_object: &Self::Object) -> bool {
+        false
+    }
 }
 
 /// By default, the object itself, trimmed as [`trim`] says. As kube's reflector

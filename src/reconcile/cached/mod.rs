@@ -146,6 +146,13 @@ impl Stored for CachedPolicy {
     fn is_version(&self, resource_version: Option<&str>) -> bool {
         self.resource_version.as_ref().zip(resource_version).is_some_and(|(cached, other)| cached.is(other))
     }
+
+    /// Edited since the status was written, or since it was created if it has none: a
+    /// policy edited while its bucket moved, or while the operator was down.
+    fn shows_unobserved_change(policy: &ApplicationTrafficPolicy) -> bool {
+        let observed = policy.status.as_ref().and_then(|status| status.observed_generation).unwrap_or(1);
+        policy.metadata.generation.is_some_and(|generation| generation > observed)
+    }
 }
 
 impl Spec {
@@ -294,6 +301,21 @@ mod tests {
 
     fn key() -> ObjectKey {
         ObjectKey::new("shop", "web")
+    }
+
+    #[test]
+    fn an_edit_the_status_has_not_observed_is_no_backlog() {
+        let with = |generation: i64, observed: Option<i64>| {
+            let mut policy = policy();
+            policy.metadata.generation = Some(generation);
+            policy.status =
+                observed.map(|g| ApplicationTrafficPolicyStatus { observed_generation: Some(g), ..Default::default() });
+            CachedPolicy::shows_unobserved_change(&policy)
+        };
+        assert!(!with(3, Some(3)), "reconciled as it is");
+        assert!(with(4, Some(3)), "edited since its status was written");
+        assert!(!with(1, None), "created, never reconciled: backlog");
+        assert!(with(2, None), "edited before its first reconcile");
     }
 
     #[test]
