@@ -45,6 +45,16 @@ impl Sharding {
     }
 }
 
+/// How a run names its namespaces (`--namespace-names`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum NamespaceNames {
+    /// `load-0-ns`, `load-1-ns`, …: the number inside, which the shard selector's hash spreads.
+    #[default]
+    Suffixed,
+    /// `team-1`, `team-2`, …: the number last, as people name namespaces.
+    Team,
+}
+
 /// Which gateway a run puts in front of the policies (`--gateway`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum GatewayKind {
@@ -64,6 +74,9 @@ pub struct Args {
     /// proportional to 1/i^s) instead of being equal.
     #[arg(long)]
     pub zipf: Option<f64>,
+    /// How the namespaces are named.
+    #[arg(long, value_enum, default_value_t)]
+    pub namespace_names: NamespaceNames,
     #[arg(long, value_enum, default_value = "operator")]
     pub mode: Mode,
     /// Operator replicas (operator mode).
@@ -148,8 +161,9 @@ pub struct Args {
     /// exits non-zero when one is missed and prints which.
     #[arg(long)]
     pub slo: Option<PathBuf>,
-    /// Where the run's namespaces are: this prefix and a number.
-    #[arg(skip = String::from("load-"))]
+    /// What every namespace of the run starts with: nothing on a local control plane, the
+    /// run's id on another cluster.
+    #[arg(skip)]
     pub namespace_prefix: String,
     /// The run's id, as a label on its policies (with --kubeconfig).
     #[arg(skip)]
@@ -164,9 +178,12 @@ impl Args {
 
     /// The name of namespace number `n`.
     pub fn namespace_name(&self, n: usize) -> String {
-        // Not ending in the number: the shard selector's hash (FNV-1a) puts names that differ
-        // only in their last character in very few buckets (docs/sharding.md).
-        format!("{}{}-ns", self.namespace_prefix, n)
+        match self.namespace_names {
+            // Not ending in the number: the shard selector's hash (FNV-1a) puts names that
+            // differ only in their last characters in very few buckets (docs/sharding.md).
+            NamespaceNames::Suffixed => format!("{}load-{n}-ns", self.namespace_prefix),
+            NamespaceNames::Team => format!("{}team-{}", self.namespace_prefix, n + 1),
+        }
     }
 
     /// The namespace of policy number `i`.

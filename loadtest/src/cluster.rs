@@ -82,13 +82,13 @@ pub async fn run(mut args: Args, interrupt: &mut tokio::signal::unix::Signal) ->
         .await
         .context("the cluster does not serve ApplicationTrafficPolicies (is the operator installed?)")?;
     let id = format!("{:08x}", rand_id());
-    args.namespace_prefix = format!("tpo-load-{id}-");
+    args.namespace_prefix = format!("tpo-{id}-");
     args.run_label = Some(id.clone());
     eprintln!(
-        "run {id}: {} policies in namespaces {}0..{} (label {RUN_LABEL}={id}); deleted at the end",
+        "run {id}: {} policies in namespaces {} .. {} (label {RUN_LABEL}={id}); deleted at the end",
         args.objects,
-        args.namespace_prefix,
-        args.namespaces - 1
+        args.namespace_name(0),
+        args.namespace_name(args.namespaces - 1)
     );
     let outcome = tokio::select! {
         result = drive(&client, &args, &id) => result,
