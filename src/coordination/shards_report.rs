@@ -11,6 +11,7 @@ use super::published::decode;
 use super::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
 use crate::api::ApplicationTrafficPolicy;
 use crate::sharding::assignment::Slot;
+use crate::sharding::bucket::{Bucket, Mode};
 use crate::sharding::membership::pod_of;
 
 /// Prints one line per replica: its lease holder, buckets, policies (and capacity), and the
@@ -104,7 +105,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     if !unplaced.is_empty() {
         println!(
             "unplaced: {unplaced_policies} policies in {} namespaces, more than the replicas' capacities hold; nobody \
-             reconciles them (docs/operations.md, TrafficPolicyUnplacedObjects): {}",
+             reconciles them (docs/runbooks.md, TrafficPolicyUnplacedObjects): {}",
             unplaced.len(),
             unplaced.into_iter().collect::<Vec<_>>().join(",")
         );
@@ -123,6 +124,46 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
                 "namespace {ns} holds {count} policies, more than a fair share ({fair}): it stays whole on one replica"
             );
         }
+        for (bucket, count, names) in crowded_buckets(&per_namespace, assignment.mode, fair) {
+            println!(
+                "bucket {bucket} holds {count} policies in {names} namespaces, more than a fair share ({fair}): they \
+                 stay together; names that differ only at the end share buckets in shard-selector mode, and label mode \
+                 spreads them (docs/sharding.md, \"Two costs of the server's hash\")"
+            );
+        }
     }
     Ok(())
+}
+
+/// Buckets of several namespaces that together hold more than `fair` policies: (bucket,
+/// policies, namespaces). A bucket is never split, so these keep the slices uneven.
+fn crowded_buckets(per_namespace: &BTreeMap<String, usize>, mode: Mode, fair: usize) -> Vec<(Bucket, usize, usize)> {
+    let mut buckets: BTreeMap<Bucket, (usize, usize)> = BTreeMap::new();
+    for (ns, count) in per_namespace {
+        let (policies, names) = buckets.entry(mode.bucket_of(ns)).or_default();
+        *policies += count;
+        *names += 1;
+    }
+    buckets
+        .into_iter()
+        .filter(|(_, (policies, names))| *names > 1 && *policies > fair)
+        .map(|(b, (p, n))| (b, p, n))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_crowd_a_bucket_are_found_in_shard_selector_mode_only() {
+        let teams: BTreeMap<String, usize> = (1..=200).map(|i| (format!("team-{i}"), 100)).collect();
+        let fair = 20_000 / 3;
+        let crowded = crowded_buckets(&teams, Mode::ShardSelector, fair);
+        assert!(!crowded.is_empty(), "team-1 … team-200 share a few buckets");
+        assert!(crowded.iter().all(|(_, policies, names)| *policies > fair && *names > 1));
+        assert_eq!(crowded_buckets(&teams, Mode::Labels, fair), vec![], "xxh3 spreads them");
+        let one_big = BTreeMap::from([("big".to_string(), 15_000), ("small".to_string(), 5_000)]);
+        assert_eq!(crowded_buckets(&one_big, Mode::ShardSelector, 10_000), vec![], "one namespace is reported as such");
+    }
 }
