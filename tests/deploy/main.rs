@@ -503,14 +503,13 @@ async fn metrics_can_be_served_over_https_with_the_certificate_reloaded() {
     assert!(!scrape(&env.cp.dir().join("ca.crt")).0, "the old certificate is still served");
 }
 
-/// Every alert has a description and a runbook in docs/operations.md, and the monitoring
+/// Every alert has a description and a runbook in docs/runbooks.md, and the monitoring
 /// overlay points every runbook_url at the base URL it names in one place: a copy of the
 /// overlay with another URL there moves all of them.
 #[test]
 fn every_alert_has_a_runbook_whose_url_the_overlay_sets_in_one_place() {
     let overlay = std::fs::read_to_string(repo("deploy/overlays/monitoring/kustomization.yaml")).unwrap();
-    let ours =
-        "runbooks=https://github.com/traffic-policy-operator/traffic-policy-operator/blob/main/docs/operations.md";
+    let ours = "runbooks=https://github.com/traffic-policy-operator/traffic-policy-operator/blob/main/docs/runbooks.md";
     assert!(overlay.contains(ours), "the overlay names the runbooks' URL in a literal");
     // A copy elsewhere, with its paths made relative to there and another URL.
     let dir = std::env::temp_dir().join(format!("tpo-overlay-{}", std::process::id()));
@@ -528,7 +527,7 @@ fn every_alert_has_a_runbook_whose_url_the_overlay_sets_in_one_place() {
         .into_iter()
         .find(|doc| doc["kind"] == "PrometheusRule")
         .expect("the overlay renders the PrometheusRule");
-    let operations = std::fs::read_to_string(repo("docs/operations.md")).unwrap();
+    let runbooks = std::fs::read_to_string(repo("docs/runbooks.md")).unwrap();
     let rules = rule["spec"]["groups"][0]["rules"].as_array().unwrap();
     assert!(rules.len() >= 14);
     for rule in rules {
@@ -542,6 +541,6 @@ fn every_alert_has_a_runbook_whose_url_the_overlay_sets_in_one_place() {
         let description = annotations["description"].as_str().unwrap_or_default();
         let absent = rule["expr"].as_str().unwrap_or_default().starts_with("absent(");
         assert!(description.contains("{{") || (absent && !description.is_empty()), "{alert}: no templated description");
-        assert!(operations.contains(&format!("\n### {alert}\n")), "{alert} has no runbook in docs/operations.md");
+        assert!(runbooks.contains(&format!("\n## {alert}\n")), "{alert} has no runbook in docs/runbooks.md");
     }
 }
