@@ -16,8 +16,8 @@ use crate::telemetry::logging::LogFormat;
 /// Workers by default. A reconcile writes its two children at once, then its status and event
 /// at once, so 32 workers keep up to 64 writes in flight. Fewer cost the control plane more
 /// per write (most likely because etcd and kube-apiserver batch less): at 8, one replica
-/// converged 20,000 policies in 1.09 to 1.45 x the time of 32 (docs/benchmarks.md, "How many
-/// writes in flight").
+/// converged 20,000 policies in 1.09 to 1.45 x the time of 32 (docs/benchmarks.md, "What
+/// bounds one replica").
 pub const DEFAULT_WORKERS: u16 = 32;
 
 #[derive(Parser, Debug)]
