@@ -150,6 +150,13 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_SHARD_MODE", value_enum, default_value = "auto")]
     pub shard_mode: crate::coordination::mode::Requested,
 
+    /// In shard-selector mode, the leader splits hash ranges that hold several namespaces'
+    /// policies, where they crowd (names such as `team-1` … `team-200` share a few of the
+    /// uniform ranges), so that slices balance for any naming. It counts every policy each
+    /// 30 s to do so, and splits only while every replica reads split ranges.
+    #[arg(long, env = "TPO_SPLIT_HASH_RANGES", default_value_t = false, action = clap::ArgAction::Set)]
+    pub split_hash_ranges: bool,
+
     /// API requests per second this replica may make for its work (watches, reconciles,
     /// labelling, events), as client-go's `--kube-api-qps`; Lease renewals are not counted.
     /// `off` for no client-side limit; `auto`: off where the API server applies Priority and
@@ -213,6 +220,7 @@ impl RunArgs {
             names: crate::coordination::NAMES,
             version: env!("CARGO_PKG_VERSION").into(),
             capacity: self.capacity.resolve(),
+            split_ranges: self.split_hash_ranges,
             watch_namespace: self.watch_namespace.clone(),
         })
     }

@@ -136,6 +136,9 @@ pub struct Args {
     /// The replicas' `--resync-period`, in seconds (default: the operator's).
     #[arg(long)]
     pub resync_seconds: Option<u64>,
+    /// The replicas split crowded hash ranges (`--split-hash-ranges`; shard-selector mode).
+    #[arg(long)]
+    pub split_hash_ranges: bool,
     /// At the end, delete every policy and wait until the watch has seen them all go.
     #[arg(long)]
     pub delete: bool,

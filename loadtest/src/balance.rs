@@ -15,9 +15,9 @@ use traffic_policy_operator::coordination::published::decode;
 use traffic_policy_operator::coordination::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX, NAMES};
 use traffic_policy_operator::sharding::assignment::{Assignment, Slot, desired};
 use traffic_policy_operator::sharding::balance::{self, Balance};
-use traffic_policy_operator::sharding::counts::Counts;
+use traffic_policy_operator::sharding::hash_ranges::by_hash;
 
-use crate::args::Args;
+use crate::args::{Args, Sharding};
 
 /// The target of docs/benchmarks.md: the largest replica holds at most this × the mean.
 pub const TARGET: f64 = 1.1;
@@ -45,20 +45,22 @@ pub async fn settle(
     let started = Instant::now();
     let mut last = String::from("no assignment yet");
     loop {
-        if let Some(settled) = check(&configmaps, &leases, &created, rule, &mut last).await? {
+        let split = args.split_hash_ranges && args.sharding == Sharding::ShardSelector;
+        if let Some(settled) = check(&configmaps, &leases, &created, rule, split, &mut last).await? {
             let seconds = started.elapsed().as_secs_f64();
             let (assignment, loads) = settled;
             let imbalance = balance::imbalance(&loads.iter().map(|(m, n)| (m.as_str(), *n)).collect());
             // What the same replicas would hold by bucket count alone (the first assignment).
             let owners: BTreeSet<String> = loads.keys().cloned().collect();
             let by_buckets = desired(&owners, None);
-            let counts = by_bucket(&created, &assignment);
+            let counts = assignment.count(&created);
             let by_buckets =
                 balance::imbalance(&balance::loads(&owners, by_buckets.iter().map(Option::as_deref), &counts));
             return Ok(json!({
                 "settled_seconds": seconds,
                 "generation": assignment.generation,
                 "by_objects": assignment.objects.is_some(),
+                "hash_ranges_split": !assignment.ranges.is_uniform(),
                 "policies_per_replica": loads.values().collect::<Vec<_>>(),
                 "largest_over_mean": imbalance,
                 "by_bucket_count_largest_over_mean": by_buckets,
@@ -75,11 +77,16 @@ async fn check(
     leases: &Api<Lease>,
     created: &BTreeMap<String, u32>,
     rule: Balance,
+    split: bool,
     last: &mut String,
 ) -> anyhow::Result<Option<(Assignment, BTreeMap<String, u64>)>> {
     let Some((assignment, _)) = configmaps.get_opt(ASSIGNMENT_CONFIGMAP).await?.as_ref().and_then(decode) else {
         return Ok(None);
     };
+    if split && *assignment.ranges != assignment.ranges.split(&by_hash(created)) {
+        *last = format!("generation {}: hash ranges still to split", assignment.generation);
+        return Ok(None);
+    }
     let reports: BTreeMap<_, _> = leases
         .list(&ListParams::default())
         .await?
@@ -95,7 +102,7 @@ async fn check(
         *last = format!("generation {}: buckets moving, or reports not current", assignment.generation);
         return Ok(None);
     };
-    if observed != by_bucket(created, &assignment) {
+    if observed != assignment.count(created) {
         *last = format!("generation {}: the reports do not count every policy yet", assignment.generation);
         return Ok(None);
     }
@@ -114,15 +121,6 @@ pub fn created_per_namespace(args: &Args) -> BTreeMap<String, u32> {
     let mut counts = BTreeMap::new();
     for i in 0..args.objects {
         *counts.entry(args.namespace_of(i)).or_default() += 1;
-    }
-    counts
-}
-
-/// Policies per bucket of `assignment`'s mode.
-pub fn by_bucket(per_namespace: &BTreeMap<String, u32>, assignment: &Assignment) -> Counts {
-    let mut counts = Counts::new();
-    for (namespace, n) in per_namespace {
-        *counts.entry(assignment.mode.bucket_of(namespace)).or_default() += n;
     }
     counts
 }

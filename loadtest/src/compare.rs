@@ -100,6 +100,7 @@ fn run_args(args: &Args, (label, mode, replicas, sharding): Planned, round: u16)
         at_rest: false,
         handoff: false,
         resync_seconds: None,
+        split_hash_ranges: false,
         delete: false,
         idle_seconds: if idle { IDLE_SECONDS } else { 0 },
         operator_binary: None,

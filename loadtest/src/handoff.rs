@@ -78,7 +78,7 @@ async fn server_listed(client: &Client) -> anyhow::Result<f64> {
 fn cost(args: &Args, before: &Counts, after: &Counts, history: &[Assignment], server_listed: f64) -> serde_json::Value {
     let created = crate::balance::created_per_namespace(args);
     let (Some(first), Some(last)) = (history.first(), history.last()) else { return serde_json::Value::Null };
-    let per_bucket = crate::balance::by_bucket(&created, first);
+    let per_bucket = first.count(&created);
     let policies = |bucket: u16| f64::from(per_bucket.get(&bucket).copied().unwrap_or(0));
     // Each replica gains a bucket whenever an assignment gives it one that the previous did not.
     let mut gained: BTreeMap<&str, f64> = BTreeMap::new();

@@ -66,6 +66,9 @@ pub async fn start_replica(cp: &controlplane::ControlPlane, args: &Args, name: &
     if let Some(seconds) = args.resync_seconds {
         process_args.push(format!("--resync-period={seconds}s"));
     }
+    if args.split_hash_ranges {
+        process_args.push("--split-hash-ranges=true".to_string());
+    }
     let log = cp.dir().join(format!("{name}-{metrics_port}.log"));
     let mut process = controlplane::process::Process::start("traffic-policy-operator", &binary, &process_args, &log)?;
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -10,8 +10,8 @@ use kube::{Client, ResourceExt};
 use super::published::decode;
 use super::{ASSIGNMENT_CONFIGMAP, MEMBER_LEASE_PREFIX};
 use crate::api::ApplicationTrafficPolicy;
-use crate::sharding::assignment::Slot;
-use crate::sharding::bucket::{Bucket, Mode};
+use crate::sharding::assignment::{Assignment, Slot};
+use crate::sharding::bucket::Bucket;
 use crate::sharding::membership::pod_of;
 
 /// Prints one line per replica: its lease holder, buckets, policies (and capacity), and the
@@ -53,7 +53,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
     for policy in &policies.items {
         let ns = policy.namespace().unwrap_or_default();
         *per_namespace.entry(ns.clone()).or_default() += 1;
-        match &assignment.slots[usize::from(assignment.mode.bucket_of(&ns))] {
+        match &assignment.slots[usize::from(assignment.bucket_of(&ns))] {
             Slot::Owned { member, .. } => {
                 *held.entry(member.clone()).or_default() += 1;
                 namespaces.entry(member.clone()).or_default().insert(ns);
@@ -68,9 +68,10 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
         }
     }
     println!(
-        "assignment generation {}, sharding mode {}, {} policies",
+        "assignment generation {}, sharding mode {}{}, {} policies",
         assignment.generation,
         assignment.mode.as_str(),
+        if assignment.ranges.is_uniform() { "" } else { " (hash ranges split)" },
         policies.items.len()
     );
     println!("{:<36} {:<9} {:>7} {:>8}  NAMESPACES", "REPLICA (INCARNATION)", "LEASE", "BUCKETS", "POLICIES");
@@ -124,11 +125,11 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
                 "namespace {ns} holds {count} policies, more than a fair share ({fair}): it stays whole on one replica"
             );
         }
-        for (bucket, count, names) in crowded_buckets(&per_namespace, assignment.mode, fair) {
+        for (bucket, count, names) in crowded_buckets(&per_namespace, &assignment, fair) {
             println!(
                 "bucket {bucket} holds {count} policies in {names} namespaces, more than a fair share ({fair}): they \
-                 stay together; names that differ only at the end share buckets in shard-selector mode, and label mode \
-                 spreads them (docs/sharding.md, \"Two costs of the server's hash\")"
+                 stay together; names that differ only at the end share buckets in shard-selector mode, and \
+                 --split-hash-ranges splits them (docs/sharding.md, \"Two costs of the server's hash\")"
             );
         }
     }
@@ -136,11 +137,15 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
 }
 
 /// Buckets of several namespaces that together hold more than `fair` policies: (bucket,
-/// policies, namespaces). A bucket is never split, so these keep the slices uneven.
-fn crowded_buckets(per_namespace: &BTreeMap<String, usize>, mode: Mode, fair: usize) -> Vec<(Bucket, usize, usize)> {
+/// policies, namespaces). Unless the leader splits their ranges, these keep the slices uneven.
+fn crowded_buckets(
+    per_namespace: &BTreeMap<String, usize>,
+    assignment: &Assignment,
+    fair: usize,
+) -> Vec<(Bucket, usize, usize)> {
     let mut buckets: BTreeMap<Bucket, (usize, usize)> = BTreeMap::new();
     for (ns, count) in per_namespace {
-        let (policies, names) = buckets.entry(mode.bucket_of(ns)).or_default();
+        let (policies, names) = buckets.entry(assignment.bucket_of(ns)).or_default();
         *policies += count;
         *names += 1;
     }
@@ -155,15 +160,25 @@ fn crowded_buckets(per_namespace: &BTreeMap<String, usize>, mode: Mode, fair: us
 mod tests {
     use super::*;
 
+    use crate::sharding::bucket::Mode;
+    use crate::sharding::hash_ranges::{HashRanges, by_hash};
+    use std::sync::Arc;
+
     #[test]
-    fn names_that_crowd_a_bucket_are_found_in_shard_selector_mode_only() {
+    fn names_that_crowd_a_bucket_are_found_in_uniform_shard_selector_ranges_only() {
         let teams: BTreeMap<String, usize> = (1..=200).map(|i| (format!("team-{i}"), 100)).collect();
         let fair = 20_000 / 3;
-        let crowded = crowded_buckets(&teams, Mode::ShardSelector, fair);
+        let in_mode = |mode| Assignment { mode, ..Assignment::default() };
+        let crowded = crowded_buckets(&teams, &in_mode(Mode::ShardSelector), fair);
         assert!(!crowded.is_empty(), "team-1 … team-200 share a few buckets");
         assert!(crowded.iter().all(|(_, policies, names)| *policies > fair && *names > 1));
-        assert_eq!(crowded_buckets(&teams, Mode::Labels, fair), vec![], "xxh3 spreads them");
+        assert_eq!(crowded_buckets(&teams, &in_mode(Mode::Labels), fair), vec![], "xxh3 spreads them");
+        let by_namespace = teams.iter().map(|(ns, n)| (ns.clone(), *n as u32)).collect();
+        let split = HashRanges::uniform().split(&by_hash(&by_namespace));
+        let split = Assignment { ranges: Arc::new(split), ..in_mode(Mode::ShardSelector) };
+        assert_eq!(crowded_buckets(&teams, &split, fair), vec![], "split ranges keep them apart");
         let one_big = BTreeMap::from([("big".to_string(), 15_000), ("small".to_string(), 5_000)]);
-        assert_eq!(crowded_buckets(&one_big, Mode::ShardSelector, 10_000), vec![], "one namespace is reported as such");
+        let crowded = crowded_buckets(&one_big, &in_mode(Mode::ShardSelector), 10_000);
+        assert_eq!(crowded, vec![], "one namespace is reported as such");
     }
 }

@@ -17,8 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::CONTROLLER_NAME;
 use crate::cli::RunArgs;
 use crate::coordination::audit::Audit;
-use crate::coordination::follower::slice_selector;
-use crate::coordination::sharded::{Sharded, bucket_of_meta};
+use crate::coordination::sharded::{self, Sharded};
 use crate::coordination::{BUCKET_LABEL, Coordination, NAMES, ShardConfig, labeller};
 use crate::reconcile::cached::CachedPolicy;
 use crate::reconcile::desired::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
@@ -48,13 +47,7 @@ pub(super) fn start(
 ) -> impl Future<Output = bool> + use<> {
     let (cache, writer) = crate::runtime::cache::new();
     tokio::spawn(report_policies(cache.clone()));
-    // Objects fall into buckets as the API server's filter sees them, as the write gate does.
-    let mode = sharding.ownership.mode();
-    let slicing = Slicing::new(
-        move |meta| bucket_of_meta(meta, mode, BUCKET_LABEL),
-        move |namespace| mode.bucket_of(namespace),
-        move |buckets| slice_selector(mode, BUCKET_LABEL, buckets),
-    );
+    let slicing = sharded::slicing(&sharding.ownership, BUCKET_LABEL);
     let watch_health = &sharding.watch_health;
     let policies = parts::watch(api(client, args), None, sharding.slice.clone(), slicing.clone(), watch_health.clone());
     let primary = watch::primary(policies, labeller::labelled_from_backlog, writer);

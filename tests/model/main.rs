@@ -132,6 +132,7 @@ fn landing_bound() -> u64 {
         names: traffic_policy_operator::coordination::NAMES,
         version: String::new(),
         capacity: None,
+        split_ranges: false,
         watch_namespace: None,
     };
     config.landing_bound().as_millis() as u64

@@ -139,6 +139,7 @@ impl Protocol {
                 version: "model".into(),
                 not_working: None,
                 capacity: None,
+                reads_split_ranges: true,
             }),
         }
     }

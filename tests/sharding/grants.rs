@@ -86,7 +86,7 @@ fn judge(history: &[Published], writes: &[Accepted], user_of: &BTreeMap<String, 
         // Audit timestamps are RFC 3339 with microseconds, all in UTC: they order as text. A
         // write received after the grant was stored certainly came after it.
         let Some(grant) = history.iter().rev().find(|p| p.stored < write.received) else { continue };
-        let bucket = grant.assignment.mode.bucket_of(&write.namespace);
+        let bucket = grant.assignment.bucket_of(&write.namespace);
         let Slot::Owned { member, .. } = &grant.assignment.slots[usize::from(bucket)] else { continue };
         match user_of.get(member) {
             Some(owner) if *owner != write.user => violations.push(format!(

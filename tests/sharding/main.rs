@@ -17,6 +17,7 @@ mod grants;
 mod handoff;
 mod membership;
 mod modes;
+mod ranges;
 mod server;
 mod trust;
 

@@ -22,13 +22,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kube::Client;
 use sharded_runtime::health::Health;
-use sharded_runtime::parts::Slicing;
 use sharding::balance::Balance;
 use sharding::coordination::audit::Audit;
-use sharding::coordination::follower::slice_selector;
 use sharding::coordination::leader::NoDuties;
 use sharding::coordination::mode::Requested;
-use sharding::coordination::sharded::{Sharded, bucket_of_meta};
+use sharding::coordination::sharded::{self, Sharded};
 use sharding::coordination::tasks::Start;
 use sharding::coordination::{Coordination, Names, ShardConfig};
 use sharding::membership::incarnation;
@@ -58,6 +56,7 @@ pub async fn run(client: Client, name: &str, namespace: &str, shutdown: Cancella
         names: NAMES,
         version: env!("CARGO_PKG_VERSION").into(),
         capacity: None,
+        split_ranges: false,
         watch_namespace: None,
     };
     let (health, audit) = (Health::with_gates(&["members", "assignment"]), Audit::default());
@@ -72,12 +71,7 @@ pub async fn run(client: Client, name: &str, namespace: &str, shutdown: Cancella
         follower_wrapper: None,
     };
     let mut coordination = Coordination::start(start, &mut critical).await?;
-    let mode = coordination.ownership.mode();
-    let slicing = Slicing::new(
-        move |meta| bucket_of_meta(meta, mode, NAMES.bucket_label),
-        move |namespace| mode.bucket_of(namespace),
-        move |buckets| slice_selector(mode, NAMES.bucket_label, buckets),
-    );
+    let slicing = sharded::slicing(&coordination.ownership, NAMES.bucket_label);
     let member = greeting::Member {
         name: name.into(),
         slice: coordination.slice.clone(),

@@ -23,9 +23,11 @@
 //! and the drain facts are arguments.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
-use super::bucket::{BUCKETS, Bucket, Mode};
+use super::bucket::{self, BUCKETS, Bucket, Mode};
 use super::counts::{self, Counts};
+use super::hash_ranges::HashRanges;
 use super::membership::pod_of;
 use super::ring::Ring;
 
@@ -72,11 +74,23 @@ pub struct Assignment {
     pub mode: Mode,
     /// Objects per bucket, which the ring balances by; `None`: by bucket count.
     pub objects: Option<Counts>,
+    /// In shard-selector mode, each bucket's range of the server's namespace hash.
+    pub ranges: Arc<HashRanges>,
 }
+
+/// The `mode` an assignment is written with when its ranges are split: an older version,
+/// which would compute uniform ranges, cannot read it and so owns nothing under it.
+pub const SPLIT_RANGES_MODE: &str = "shard-selector-split";
 
 impl Default for Assignment {
     fn default() -> Self {
-        Self { generation: 0, slots: vec![Slot::Free; usize::from(BUCKETS)], mode: Mode::default(), objects: None }
+        Self {
+            generation: 0,
+            slots: vec![Slot::Free; usize::from(BUCKETS)],
+            mode: Mode::default(),
+            objects: None,
+            ranges: HashRanges::shared_uniform(),
+        }
     }
 }
 
@@ -85,7 +99,25 @@ impl Assignment {
     /// bucket revoked from an unknown owner, since whoever held it may still be writing.
     pub fn after_loss(generation: u64, mode: Mode) -> Self {
         let revoked = Slot::Draining { from: UNKNOWN_OWNER.into(), since: generation };
-        Self { generation, slots: vec![revoked; usize::from(BUCKETS)], mode, objects: None }
+        Self { generation, slots: vec![revoked; usize::from(BUCKETS)], mode, ..Self::default() }
+    }
+
+    /// The bucket of `namespace`'s objects under this assignment (in label mode, of those
+    /// without a hand-set bucket label).
+    pub fn bucket_of(&self, namespace: &str) -> Bucket {
+        match self.mode {
+            Mode::Labels => bucket::bucket_of(namespace),
+            Mode::ShardSelector => self.ranges.bucket_of(namespace),
+        }
+    }
+
+    /// Objects per bucket, from objects per namespace.
+    pub fn count(&self, namespaces: &BTreeMap<String, u32>) -> Counts {
+        let mut counts = Counts::new();
+        for (namespace, objects) in namespaces {
+            *counts.entry(self.bucket_of(namespace)).or_default() += objects;
+        }
+        counts
     }
 
     /// The buckets `member` may work on, with their epochs; none when `member` computes
@@ -152,7 +184,8 @@ impl Assignment {
 
     /// The ConfigMap data: `generation`, `mode`, `members` (comma-separated) and `slots`, one
     /// entry per bucket: `index@epoch` when owned, `~index@since` while draining, `-` when free;
-    /// and `objects` (`bucket:count,…`) once balancing by objects.
+    /// `objects` (`bucket:count,…`) once balancing by objects; and `ranges` once they are
+    /// split (with the mode [`SPLIT_RANGES_MODE`]).
     pub fn encode(&self) -> BTreeMap<String, String> {
         let mut members: Vec<&str> = self.slots.iter().filter_map(Slot::member).collect();
         members.sort();
@@ -167,14 +200,19 @@ impl Assignment {
                 Slot::Draining { from, since } => format!("~{}@{since}", index(from)),
             })
             .collect();
+        let split = !self.ranges.is_uniform();
+        let mode = if split { SPLIT_RANGES_MODE } else { self.mode.as_str() };
         let mut data = BTreeMap::from([
             ("generation".to_string(), self.generation.to_string()),
-            ("mode".to_string(), self.mode.as_str().to_string()),
+            ("mode".to_string(), mode.to_string()),
             ("members".to_string(), members.join(",")),
             ("slots".to_string(), slots.join(",")),
         ]);
         if let Some(objects) = &self.objects {
             data.insert("objects".to_string(), counts::encode_counts(objects));
+        }
+        if split {
+            data.insert("ranges".to_string(), self.ranges.encode());
         }
         data
     }
@@ -184,9 +222,12 @@ impl Assignment {
         let field = |k: &str| data.get(k).ok_or_else(|| format!("assignment has no {k:?}"));
         let generation = field("generation")?.parse().map_err(|e| format!("generation: {e}"))?;
         // Written before modes existed: labels.
-        let mode = match data.get("mode") {
-            None => Mode::Labels,
-            Some(m) => Mode::parse(m).ok_or_else(|| format!("unknown mode {m:?}"))?,
+        let (mode, ranges) = match data.get("mode") {
+            None => (Mode::Labels, HashRanges::uniform()),
+            Some(m) if m == SPLIT_RANGES_MODE => {
+                (Mode::ShardSelector, HashRanges::decode(field("ranges")?).map_err(|e| format!("ranges: {e}"))?)
+            }
+            Some(m) => (Mode::parse(m).ok_or_else(|| format!("unknown mode {m:?}"))?, HashRanges::uniform()),
         };
         let members: Vec<&str> = field("members")?.split(',').filter(|m| !m.is_empty()).collect();
         let member = |i: &str| -> Result<String, String> {
@@ -214,7 +255,7 @@ impl Assignment {
         }
         let objects =
             data.get("objects").map(|o| counts::decode_counts(o)).transpose().map_err(|e| format!("objects: {e}"))?;
-        Ok(Self { generation, slots, mode, objects })
+        Ok(Self { generation, slots, mode, objects, ranges: Arc::new(ranges) })
     }
 }
 
@@ -351,6 +392,7 @@ pub fn plan_towards(
         slots,
         mode: current.mode,
         objects,
+        ranges: current.ranges.clone(),
     })
 }
 
@@ -390,11 +432,17 @@ pub fn next_assignment(
 /// freed once its owner has let go; `None` when nothing can change yet. The new mode starts
 /// from an assignment in which every bucket is free ([`Assignment::is_vacant`]).
 pub fn vacate(current: &Assignment, release: &impl Release) -> Option<Assignment> {
+    vacate_buckets(current, &(0..BUCKETS).collect(), release)
+}
+
+/// [`vacate`] for `buckets` only: a step of a change of their ranges, which starts once
+/// every one of them is free.
+pub fn vacate_buckets(current: &Assignment, buckets: &BTreeSet<Bucket>, release: &impl Release) -> Option<Assignment> {
     let next = current.generation + 1;
-    let slots: Vec<Slot> = current
-        .slots
-        .iter()
-        .map(|slot| match slot {
+    let slots: Vec<Slot> = (0..BUCKETS)
+        .zip(&current.slots)
+        .map(|(bucket, slot)| match slot {
+            _ if !buckets.contains(&bucket) => slot.clone(),
             Slot::Owned { member, .. } => Slot::Draining { from: member.clone(), since: next },
             Slot::Draining { from, since } if release.let_go(from, *since) => Slot::Free,
             other => other.clone(),
@@ -532,6 +580,41 @@ pub(crate) mod tests {
         // Without capacities, the free buckets are given again (and a few others move).
         let given = plan(&freed, &members, &always, None).unwrap();
         assert!(given.slots.iter().all(|s| *s != Slot::Free));
+    }
+
+    #[test]
+    fn a_change_of_ranges_revokes_and_frees_the_changed_buckets_only() {
+        let settled = plan(&Assignment::default(), &set(&["a_1", "b_1"]), &never, None).unwrap();
+        let changed = BTreeSet::from([3, 700]);
+        let revoked = vacate_buckets(&settled, &changed, &never).unwrap();
+        for b in 0..BUCKETS {
+            let (was, is) = (&settled.slots[usize::from(b)], &revoked.slots[usize::from(b)]);
+            match changed.contains(&b) {
+                true => assert!(matches!(is, Slot::Draining { since, .. } if *since == revoked.generation)),
+                false => assert_eq!(is, was, "bucket {b} keeps its owner and epoch"),
+            }
+        }
+        assert_eq!(vacate_buckets(&revoked, &changed, &never), None, "nothing to do until they are let go");
+        let freed = vacate_buckets(&revoked, &changed, &always).unwrap();
+        assert!(changed.iter().all(|b| freed.slots[usize::from(*b)] == Slot::Free));
+        assert_eq!(freed.shares().values().sum::<usize>(), 1022);
+    }
+
+    #[test]
+    fn split_ranges_are_written_in_a_mode_older_versions_cannot_read() {
+        let namespaces = (1..=40).map(|n| (format!("team-{n}"), 100)).collect();
+        let split = HashRanges::uniform().split(&crate::hash_ranges::by_hash(&namespaces));
+        let a = Assignment { mode: Mode::ShardSelector, ranges: Arc::new(split), ..Assignment::default() };
+        let data = a.encode();
+        assert_eq!(data["mode"], SPLIT_RANGES_MODE);
+        assert_eq!(Mode::parse(&data["mode"]), None, "what an older version does with it: unknown mode");
+        assert_eq!(Assignment::decode(&data).unwrap(), a);
+        assert_eq!(a.bucket_of("team-7"), a.ranges.bucket_of("team-7"));
+        let uniform = Assignment { mode: Mode::ShardSelector, ..Assignment::default() };
+        assert_eq!(uniform.encode()["mode"], "shard-selector", "uniform ranges: as before");
+        let mut missing = data.clone();
+        missing.remove("ranges");
+        assert!(Assignment::decode(&missing).unwrap_err().contains("ranges"));
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! clock-free (`now` is passed in), tested without a cluster:
 //! - [`bucket`]: namespace → bucket in either mode, and the label selector of a set of them;
 //! - [`shard_range`]: buckets as hash ranges for the API server's shard selector;
+//! - [`hash_ranges`]: ranges split where the namespaces are, for names the uniform ones crowd;
+//! - [`bucket_id`]: how a process names buckets to its runtime, so that a changed range is a new bucket;
 //! - [`ring`]: buckets → members by consistent hashing with bounded loads;
 //! - [`counts`]: objects per bucket, as replicas report them and the ring weighs them;
 //! - [`balance`]: when to balance slices by their objects rather than their buckets;
@@ -21,9 +23,11 @@
 pub mod assignment;
 pub mod balance;
 pub mod bucket;
+pub mod bucket_id;
 pub mod capacity;
 pub mod coordination;
 pub mod counts;
+pub mod hash_ranges;
 pub mod membership;
 pub mod ring;
 pub mod shard_range;

@@ -61,6 +61,8 @@ pub struct Capability {
     pub not_working: Option<String>,
     /// How many objects it can hold; `None`: no bound.
     pub capacity: Option<u64>,
+    /// Whether it reads hash ranges the leader split (see `sharding::hash_ranges`).
+    pub reads_split_ranges: bool,
 }
 
 impl LeaseState {
@@ -227,6 +229,15 @@ impl MemberTable {
         self.members.values().any(|m| m.state.capability.as_ref().is_some_and(|c| c.capacity.is_some()))
     }
 
+    /// Whether every one of `members` reads split hash ranges.
+    pub fn all_read_split_ranges(&self, members: &BTreeSet<String>) -> bool {
+        let reading = self.members.values().filter(|m| {
+            m.state.holder().is_some_and(|h| members.contains(h))
+                && m.state.capability.as_ref().is_some_and(|c| c.reads_split_ranges)
+        });
+        reading.count() == members.len()
+    }
+
     /// The capacities that `members` advertise, by incarnation; those without one are left out.
     pub fn capacities(&self, members: &BTreeSet<String>) -> crate::assignment::Capacities {
         let advertised = self.members.values().filter_map(|m| {
@@ -300,7 +311,13 @@ mod tests {
             seen_generation: None,
             uid: Some("uid-1".into()),
             load: None,
-            capability: Some(Capability { mode: MODE.into(), version: "1".into(), not_working: None, capacity: None }),
+            capability: Some(Capability {
+                mode: MODE.into(),
+                version: "1".into(),
+                not_working: None,
+                capacity: None,
+                reads_split_ranges: false,
+            }),
         }
     }
 
@@ -327,6 +344,26 @@ mod tests {
         assert_eq!(table.liveness("a_1", t0 + S(21)), Liveness::Expired, "no renewal for a lease duration");
         assert_eq!(table.silent("a_1", t0 + S(21)).as_deref(), Some("r2"));
         assert_eq!(table.silent("a_1", t0 + S(20)), None);
+    }
+
+    #[test]
+    fn ranges_are_split_only_while_every_receiver_reads_them() {
+        let t0 = Instant::now();
+        let reading = |holder: &str, reads: bool| {
+            let mut state = lease(holder, "r1");
+            state.capability.as_mut().expect("advertised").reads_split_ranges = reads;
+            state
+        };
+        let mut table = MemberTable::default();
+        table.observe("a", reading("a_1", true), t0);
+        table.observe("b", reading("b_1", true), t0);
+        let both = BTreeSet::from(["a_1".to_string(), "b_1".to_string()]);
+        assert!(table.all_read_split_ranges(&both));
+        table.observe("b", reading("b_1", false), t0 + S(1));
+        assert!(!table.all_read_split_ranges(&both), "b is of a version before split ranges");
+        assert!(table.all_read_split_ranges(&BTreeSet::from(["a_1".to_string()])), "a receiver set without b");
+        table.observe("b", reading("b_2", true), t0 + S(2));
+        assert!(!table.all_read_split_ranges(&both), "b_1 is not b's holder any more: nobody says it reads them");
     }
 
     #[test]
@@ -421,8 +458,15 @@ mod tests {
             capability,
             ..lease(holder, renew)
         };
-        let works_in =
-            |mode: &str| Some(Capability { mode: mode.into(), version: "1".into(), not_working: None, capacity: None });
+        let works_in = |mode: &str| {
+            Some(Capability {
+                mode: mode.into(),
+                version: "1".into(),
+                not_working: None,
+                capacity: None,
+                reads_split_ranges: false,
+            })
+        };
         let broken =
             Some(Capability { not_working: Some("the watch of X is refused: 403".into()), ..works_in(MODE).unwrap() });
         for (pod, capability) in

@@ -18,6 +18,7 @@ use tokio::time::Instant;
 
 use super::assignment::{Assignment, Epoch};
 use super::bucket::{Bucket, Mode};
+use super::bucket_id::BucketIds;
 
 /// What applying an assignment changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -43,6 +44,8 @@ pub struct Slice {
     renew_deadline: Duration,
     /// The generation of the assignment `owned` was taken from.
     generation: u64,
+    /// How buckets are named here; `owned` and everything below are by [`BucketIds`].
+    ids: BucketIds,
     owned: BTreeMap<Bucket, Epoch>,
     /// Writes are allowed until then: the deadline of the last confirmed renewal cycle.
     valid_until: Option<Instant>,
@@ -66,6 +69,7 @@ impl Slice {
             mode,
             renew_deadline,
             generation: 0,
+            ids: BucketIds::new(mode),
             owned: BTreeMap::new(),
             valid_until: None,
             lease_until: None,
@@ -82,8 +86,16 @@ impl Slice {
             return Change::default();
         }
         self.generation = assignment.generation;
+        if assignment.mode == self.mode {
+            self.ids.adopt(&assignment.ranges);
+        }
         let owned = assignment.owned_by(&self.me, self.mode);
-        self.replace(owned)
+        self.replace(owned.into_iter().map(|(bucket, epoch)| (self.ids.id(bucket), epoch)).collect())
+    }
+
+    /// How buckets are named now, in `owned` and by the runtime.
+    pub fn ids(&self) -> &BucketIds {
+        &self.ids
     }
 
     /// A renewal cycle that started at `started` completed: the lease write succeeded and
@@ -201,6 +213,7 @@ impl Slice {
 mod tests {
     use super::*;
     use crate::assignment::Slot;
+    use crate::hash_ranges::{HashRanges, by_hash};
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
@@ -299,5 +312,29 @@ mod tests {
         let change = slice.confirm(t0 + S(30), &assignment(1, &[(1, 1)]));
         assert!(change.is_empty());
         assert_eq!(slice.permit(1, t0 + S(31)), Some(1));
+    }
+
+    /// A replica that missed the revocation before a change of ranges, and reads an
+    /// assignment that gives it the changed bucket again, lets go of the old range.
+    #[test]
+    fn a_bucket_whose_range_changed_unseen_is_lost_and_gained() {
+        let t0 = Instant::now();
+        let namespaces = (1..=20).map(|n| (format!("team-{n}"), 100)).collect();
+        let split = std::sync::Arc::new(HashRanges::uniform().split(&by_hash(&namespaces)));
+        let changed = *HashRanges::uniform().changed(&split).first().expect("a split");
+        let unchanged = (0..1024).find(|b| !HashRanges::uniform().changed(&split).contains(b)).expect("most");
+        let mut slice = Slice::new("me_1", Mode::ShardSelector, S(10));
+        let with_mode = |a: Assignment| Assignment { mode: Mode::ShardSelector, ..a };
+        slice.confirm(t0, &with_mode(assignment(1, &[(changed, 1), (unchanged, 1)])));
+        slice.begin(changed, t0);
+        let after = Assignment { ranges: split, ..with_mode(assignment(5, &[(changed, 5), (unchanged, 1)])) };
+        let change = slice.confirm(t0 + S(1), &after);
+        let new_id = slice.ids().id(changed);
+        assert_ne!(new_id, changed);
+        assert_eq!(change, Change { released: BTreeSet::from([changed]), acquired: BTreeSet::from([new_id]) });
+        assert_eq!(slice.permit(changed, t0 + S(1)), None, "nothing cached under the old range may be written");
+        assert_eq!(slice.permit(new_id, t0 + S(1)), Some(5));
+        assert_eq!(slice.permit(unchanged, t0 + S(1)), Some(1), "an unchanged bucket stays as it was");
+        assert!(!slice.drain(t0 + S(1)), "the reconcile under the old range still drains");
     }
 }

@@ -24,7 +24,7 @@ use sharded_runtime::parts::{Buckets, SliceSelector, Slicing};
 use sharded_runtime::reconciler::Unguarded;
 use sharded_runtime::watch_health::WatchHealth;
 use sharding::bucket::{Bucket, Mode};
-use sharding::{ring::Ring, shard_range};
+use sharding::{hash_ranges::HashRanges, ring::Ring, shard_range};
 use tokio_util::sync::CancellationToken;
 
 pub use greeting::{Greeting, GreetingSpec, MEMBER_ANNOTATION};
@@ -47,7 +47,7 @@ pub async fn run(client: Client, member: &str, members: &[&str], shutdown: Cance
     let slicing = Slicing::new(
         |meta| Some(bucket_of(meta.namespace.as_deref().unwrap_or_default())),
         bucket_of,
-        |buckets| shard_range::selector(buckets).map(SliceSelector::Shards),
+        |buckets| shard_range::selector(&HashRanges::uniform(), buckets).map(SliceSelector::Shards),
     );
     let member = greeting::Member {
         name: member.to_string(),

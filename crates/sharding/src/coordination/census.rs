@@ -1,11 +1,13 @@
-//! The leader's own count of every bucket's objects, for placing slices within the members'
-//! capacities.
+//! The leader's own count of every namespace's objects, for placing slices within the
+//! members' capacities and for splitting crowded hash ranges.
 //!
 //! The replicas report what they hold, but nobody holds a bucket that no member has room
-//! for, and before the first assignment nobody holds anything. So while any member
-//! advertises a capacity, the leader counts the sharded objects itself: a paged list of
-//! their metadata, counted by bucket and kept as the count only, never cached.
+//! for, and before the first assignment nobody holds anything; and they report by bucket,
+//! not by namespace. So while any member advertises a capacity, or the leader may split
+//! ranges, it counts the sharded objects itself: a paged list of their metadata, counted by
+//! namespace and kept as the count only, never cached.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -15,8 +17,8 @@ use kube::{Client, ResourceExt};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::bucket::Mode;
-use crate::counts::Counts;
+/// Objects per namespace.
+pub type ByNamespace = BTreeMap<String, u32>;
 
 /// How often the objects are counted while a member advertises a capacity.
 pub const COUNT_EVERY: Duration = Duration::from_secs(30);
@@ -32,7 +34,7 @@ pub struct Census {
     crd: String,
     /// Where the program's watches look; `None`: every namespace.
     namespace: Option<String>,
-    latest: Mutex<Option<Counts>>,
+    latest: Mutex<Option<ByNamespace>>,
     counted: watch::Sender<u64>,
     /// Asks for a count before the next period.
     wake: Notify,
@@ -46,7 +48,7 @@ impl Census {
     }
 
     /// The latest count; `None` before the first.
-    pub fn latest(&self) -> Option<Counts> {
+    pub fn latest(&self) -> Option<ByNamespace> {
         self.latest.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -66,11 +68,11 @@ impl Census {
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
-    /// Counts every [`COUNT_EVERY`] while `wanted()` says a member advertises a capacity
-    /// (asking every second otherwise), until `stop`.
-    pub async fn keep(&self, mode: Mode, wanted: impl Fn() -> bool, stop: CancellationToken) {
+    /// Counts every [`COUNT_EVERY`] while `wanted()` says a count is needed (asking every
+    /// second otherwise), until `stop`.
+    pub async fn keep(&self, wanted: impl Fn() -> bool, stop: CancellationToken) {
         loop {
-            let pause = if wanted() { self.count_once(mode).await } else { self.forget_for_now() };
+            let pause = if wanted() { self.count_once().await } else { self.forget_for_now() };
             let earliest = tokio::time::sleep(AT_MOST_EVERY.min(pause));
             tokio::select! {
                 _ = earliest => {}
@@ -89,32 +91,32 @@ impl Census {
         Duration::from_secs(1)
     }
 
-    async fn count_once(&self, mode: Mode) -> Duration {
-        match self.count(mode).await {
+    async fn count_once(&self) -> Duration {
+        match self.count().await {
             Ok(counts) => {
                 *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(counts);
                 self.counted.send_modify(|n| *n += 1);
             }
             // The previous count stands; a leader without any places nothing.
             Err(error) => {
-                tracing::warn!(%error, "counting the objects per bucket failed; trying again");
+                tracing::warn!(%error, "counting the objects per namespace failed; trying again");
                 return Duration::from_secs(5);
             }
         }
         COUNT_EVERY
     }
 
-    async fn count(&self, mode: Mode) -> Result<Counts, kube::Error> {
+    async fn count(&self) -> Result<ByNamespace, kube::Error> {
         let api: Api<DynamicObject> = match &self.namespace {
             Some(namespace) => Api::namespaced_with(self.client.clone(), namespace, &self.resource().await?),
             None => Api::all_with(self.client.clone(), &self.resource().await?),
         };
-        let mut counts = Counts::new();
+        let mut counts = ByNamespace::new();
         let mut params = ListParams::default().limit(PAGE);
         loop {
             let page = api.list_metadata(&params).await?;
             for object in &page.items {
-                *counts.entry(mode.bucket_of(&object.namespace().unwrap_or_default())).or_default() += 1;
+                *counts.entry(object.namespace().unwrap_or_default()).or_default() += 1;
             }
             match page.metadata.continue_.filter(|token| !token.is_empty()) {
                 Some(token) => params = params.continue_token(&token),

@@ -5,7 +5,6 @@
 //! drained, acknowledge the generation on our Lease, which lets the leader hand the lost
 //! buckets on without waiting for the revocation to age.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -22,10 +21,9 @@ use super::lease::MemberLease;
 use super::ownership::Ownership;
 use super::published::{AssignmentView, decode};
 use super::{Replica, ShardConfig};
-use crate::bucket::{self, Bucket, Mode};
-use crate::shard_range;
+use crate::bucket;
 use sharded_runtime::health::Health;
-use sharded_runtime::parts::{Buckets, SliceSelector};
+use sharded_runtime::parts::Buckets;
 
 /// Applies each newly published assignment to this replica.
 pub struct Follower {
@@ -39,15 +37,6 @@ pub struct Follower {
     health: Arc<Health>,
     audit: Audit,
     applied: u64,
-}
-
-/// What our watches ask the API server for, to see `owned`: in label mode, a selector on
-/// `bucket_label`.
-pub fn slice_selector(mode: Mode, bucket_label: &str, owned: &BTreeSet<Bucket>) -> Option<SliceSelector> {
-    match mode {
-        Mode::Labels => bucket::selector(bucket_label, owned).map(SliceSelector::Labels),
-        Mode::ShardSelector => shard_range::selector(owned).map(SliceSelector::Shards),
-    }
 }
 
 impl Follower {

@@ -35,11 +35,13 @@ use super::published::AssignmentView;
 use super::{Replica, ShardConfig};
 use crate::assignment::{
     Assignment, DrainFacts, Slot, may_reassign, next_assignment, starting_point, track_revocations, vacate,
+    vacate_buckets,
 };
 use crate::balance::{self, Steadiness};
 use crate::bucket::Mode;
 use crate::capacity;
 use crate::counts::Counts;
+use crate::hash_ranges::{HashRanges, by_hash};
 use crate::membership::{Liveness, pod_of};
 
 /// A member Lease unchanged for this many lease durations is left over from a pod that is
@@ -154,8 +156,8 @@ impl Leader {
                     }
                     tokio::spawn({
                         let (census, members, stop) = (self.census.clone(), self.members.clone(), stop_duties.clone());
-                        let mode = self.ownership.mode();
-                        async move { census.keep(mode, || members.with(|t| t.any_capacity()), stop).await }
+                        let splits = self.config.split_ranges && self.ownership.mode() == Mode::ShardSelector;
+                        async move { census.keep(|| splits || members.with(|t| t.any_capacity()), stop).await }
                     });
                     duties = Some(stop_duties);
                 }
@@ -265,7 +267,7 @@ impl Leader {
                 tracing::warn!(from = current.mode.as_str(), to = mode.as_str(), "changing the sharding mode");
                 return vacate(&current, &release).map(|next| (next, resource_version));
             }
-            current = Assignment { mode, objects: None, ..current };
+            current = Assignment { mode, objects: None, ranges: HashRanges::shared_uniform(), ..current };
         }
         let mut receivers =
             self.members.with(|t| t.receivers(leaving.is_none().then_some(me.as_str()), mode.as_str(), now));
@@ -274,12 +276,26 @@ impl Leader {
             receivers.remove(leaving);
         }
         m::set_members_alive(receivers.len());
+        let ranges = self.ranges_wanted(&current, &receivers, leaving.is_some());
+        if ranges != current.ranges {
+            let changed = current.ranges.changed(&ranges);
+            if changed.iter().any(|b| current.slots[usize::from(*b)] != Slot::Free) {
+                // Namespaces move between the changed buckets: each is revoked under the old
+                // ranges, through the usual drain, before any is given under the new ones.
+                tracing::info!(buckets = changed.len(), "changing hash ranges: revoking the changed buckets first");
+                return vacate_buckets(&current, &changed, &release).map(|next| (next, resource_version));
+            }
+            tracing::info!(buckets = changed.len(), split = !ranges.is_uniform(), "publishing new hash ranges");
+            current = Assignment { ranges, ..current };
+            // Placed by the count under the new ranges at once, not by bucket count meanwhile.
+            current.objects = self.census.latest().map(|namespaces| current.count(&namespaces));
+        }
         let rebalanced = if leaving.is_none() { self.rebalance(&current, &receivers) } else { None };
         let capacities = self.members.with(|t| t.capacities(&receivers));
         if capacity::reported_over(&self.members.with(|t| t.load_reports()), &capacities) {
             self.census.count_soon();
         }
-        let census = self.census.latest();
+        let census = self.census.latest().map(|namespaces| current.count(&namespaces));
         let Some(placement) = capacity::place(&current, &receivers, &capacities, census.as_ref(), rebalanced) else {
             tracing::debug!("members advertise capacities; not planning before the objects are counted");
             return None;
@@ -291,6 +307,22 @@ impl Leader {
         m::record_unowned(unowned, last.map_or(Duration::ZERO, |t| now - t));
         next_assignment(&current, &receivers, placement.wanted, &release, republish)
             .map(|next| (next, resource_version))
+    }
+
+    /// The hash ranges to publish in shard-selector mode: split where the counted namespaces
+    /// crowd, while this replica may split them and every receiver reads split ranges;
+    /// uniform otherwise.
+    fn ranges_wanted(&self, current: &Assignment, receivers: &BTreeSet<String>, leaving: bool) -> Arc<HashRanges> {
+        if current.mode != Mode::ShardSelector || leaving {
+            return current.ranges.clone();
+        }
+        let may_split = self.config.split_ranges && self.members.with(|t| t.all_read_split_ranges(receivers));
+        if !may_split {
+            return if current.ranges.is_uniform() { current.ranges.clone() } else { HashRanges::shared_uniform() };
+        }
+        let Some(namespaces) = self.census.latest() else { return current.ranges.clone() };
+        let split = current.ranges.split(&by_hash(&namespaces));
+        if split == *current.ranges { current.ranges.clone() } else { Arc::new(split) }
     }
 
     /// Says once per change which renewing members get no buckets, and why.

@@ -29,7 +29,7 @@ use super::load::LoadReport;
 use super::metrics as m;
 use super::ownership::Ownership;
 use super::published::{AssignmentView, decode};
-use super::{Replica, ShardConfig};
+use super::{READS_SPLIT_RANGES, Replica, ShardConfig};
 use sharded_runtime::watch_health::WatchHealth;
 
 /// Renewal cycles in a row that could not read the assignment before a member says it
@@ -230,6 +230,7 @@ impl MemberLease {
         }
         annotations.insert(names.mode_annotation.into(), self.ownership.mode().as_str().into());
         annotations.insert(names.version_annotation.into(), self.config.version.clone());
+        annotations.insert(names.ranges_annotation.into(), READS_SPLIT_RANGES.into());
         match self.config.capacity {
             Some(capacity) => annotations.insert(names.capacity_annotation.into(), capacity.to_string()),
             None => annotations.remove(names.capacity_annotation),

@@ -36,14 +36,14 @@ impl LoadReport {
         let mut tick = tokio::time::interval(COUNT_EVERY);
         loop {
             tick.tick().await;
-            let (generation, owned) = ownership.owned_at();
+            let (generation, owned, ids) = ownership.owned_at();
             if listed.borrow().as_ref() != Some(&owned) {
                 continue;
             }
             let mut counts = Counts::new();
             for (key, _) in cache.state() {
-                let bucket = ownership.mode().bucket_of(key.namespace());
-                if owned.contains(&bucket) {
+                let bucket = ids.bucket_of(key.namespace());
+                if owned.contains(&ids.id(bucket)) {
                     *counts.entry(bucket).or_default() += 1;
                 }
             }

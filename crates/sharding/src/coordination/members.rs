@@ -11,7 +11,7 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::Names;
+use super::{Names, READS_SPLIT_RANGES};
 use crate::counts::Report;
 use crate::membership::{Capability, LeaseState, MemberTable};
 use sharded_runtime::health::Health;
@@ -92,6 +92,7 @@ pub fn lease_state(lease: &Lease, names: &Names) -> LeaseState {
         not_working: annotations.get(names.not_working_annotation).cloned(),
         // Malformed: no bound, as from a version that advertised none.
         capacity: annotations.get(names.capacity_annotation).and_then(|c| c.parse().ok()),
+        reads_split_ranges: annotations.get(names.ranges_annotation).is_some_and(|r| r == READS_SPLIT_RANGES),
     });
     LeaseState {
         holder: spec.holder_identity,

@@ -46,6 +46,9 @@ use std::time::Duration;
 use crate::balance::Balance;
 pub use tasks::Coordination;
 
+/// The value of [`Names::ranges_annotation`] on the Lease of a member that reads split ranges.
+pub const READS_SPLIT_RANGES: &str = "split";
+
 /// What the failing fencing check says when it refuses a write (the program's admission
 /// policy must say it): `refused a write with shard epoch`.
 pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
@@ -85,6 +88,9 @@ pub struct Names {
     pub not_working_annotation: &'static str,
     /// On a member Lease: how many objects its holder can hold (a leader gives it no more).
     pub capacity_annotation: &'static str,
+    /// On a member Lease: [`READS_SPLIT_RANGES`] from a holder that reads split hash ranges
+    /// (a leader splits them only while every member does).
+    pub ranges_annotation: &'static str,
     /// On the CustomResourceDefinition that keeps the generation floor.
     pub floor_annotation: &'static str,
 }
@@ -111,6 +117,7 @@ macro_rules! names {
             version_annotation: concat!($domain, "/version"),
             not_working_annotation: concat!($domain, "/not-working"),
             capacity_annotation: concat!($domain, "/capacity"),
+            ranges_annotation: concat!($domain, "/hash-ranges"),
             floor_annotation: concat!($domain, "/reserved-generation"),
         }
     };
@@ -147,6 +154,9 @@ pub struct ShardConfig {
     pub version: String,
     /// How many objects this replica can hold, on its member Lease; `None`: no bound.
     pub capacity: Option<u64>,
+    /// Whether, as the leader in shard-selector mode, this replica splits crowded hash ranges
+    /// (see `sharding::hash_ranges`).
+    pub split_ranges: bool,
     /// Where the program's watches look (`None`: every namespace): what the leader counts
     /// when members advertise capacities.
     pub watch_namespace: Option<String>,

@@ -11,6 +11,7 @@ use kube::api::{Api, ListParams};
 
 use super::metrics;
 use crate::bucket::{BUCKETS, Mode};
+use crate::hash_ranges::HashRanges;
 use crate::shard_range;
 use sharded_runtime::backoff::Backoff;
 
@@ -72,7 +73,7 @@ async fn probe_until_answered(client: &Client, namespace: &str) -> Mode {
 /// resources by the selector but does not report `shardInfo` for them; the gate is
 /// server-wide.)
 async fn server_honours_shard_selector(client: &Client, namespace: &str) -> anyhow::Result<bool> {
-    let everything = shard_range::selector(&(0..BUCKETS).collect()).expect("all buckets");
+    let everything = shard_range::selector(&HashRanges::uniform(), &(0..BUCKETS).collect()).expect("all buckets");
     let client = sharded_runtime::client::with_query(client.clone(), "shardSelector", &everything);
     let list = Api::<ConfigMap>::namespaced(client, namespace).list(&ListParams::default().limit(1)).await?;
     Ok(list.metadata.shard_info.is_some())

@@ -10,12 +10,14 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kube::api::ObjectMeta;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::metrics as m;
 use crate::assignment::{Assignment, Epoch};
 use crate::bucket::{Bucket, Mode};
+use crate::bucket_id::{BucketId, BucketIds};
 use crate::slice::{Change, Slice};
 
 /// What this replica may write now, shared by the follower, the Lease and every reconcile.
@@ -105,10 +107,26 @@ impl Ownership {
         self.lock().generation()
     }
 
-    /// The generation of the assignment we follow, and what it gives us, read together.
-    pub fn owned_at(&self) -> (u64, BTreeSet<Bucket>) {
+    /// The generation of the assignment we follow, what it gives us and how buckets are
+    /// named under it, read together.
+    pub fn owned_at(&self) -> (u64, BTreeSet<BucketId>, BucketIds) {
         let slice = self.lock();
-        (slice.generation(), slice.owned())
+        (slice.generation(), slice.owned(), slice.ids().clone())
+    }
+
+    /// How buckets are named now.
+    pub fn ids(&self) -> BucketIds {
+        self.lock().ids().clone()
+    }
+
+    /// The ID of an object's bucket now (see [`BucketIds::of_meta`]).
+    pub fn id_of_meta(&self, meta: &ObjectMeta, bucket_label: &str) -> Option<BucketId> {
+        self.lock().ids().of_meta(meta, bucket_label)
+    }
+
+    /// The ID of the bucket of `namespace`'s objects now.
+    pub fn id_of_namespace(&self, namespace: &str) -> BucketId {
+        self.lock().ids().of_namespace(namespace)
     }
 
     /// When an abandoned write's bound passes next: a drain may complete then.

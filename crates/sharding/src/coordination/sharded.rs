@@ -1,36 +1,52 @@
 //! Sharding keeps the gate: [`Sharded`] takes an object's bucket (as the cache keeps it, from
-//! [`bucket_of_meta`]), registers the reconcile with [`Ownership`] (so a handoff can drain
+//! [`slicing`]), registers the reconcile with [`Ownership`] (so a handoff can drain
 //! it), and gives the business reconciler a [`WriteGate`] that checks the bucket is still
 //! ours before every write, stamps the bucket's fencing epoch on it (in
 //! [`Names::fence_annotation`]), and reads the fencing policy's refusal ([`FENCED_MESSAGE`]).
 //! The reconciler knows nothing of buckets or fencing, as in timebertt's sharding wrapper
 //! and kubert's `is_current_for`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::ObjectMeta;
 use kube::core::Status;
 use tokio::time::Instant;
 
 use super::audit::Audit;
 use super::ownership::{InFlight, Ownership};
 use super::{FENCED_MESSAGE, Names};
-use crate::bucket::{self, Bucket, Mode};
+use crate::bucket::{self, Mode};
+use crate::bucket_id::{BucketId, BucketIds};
+use crate::shard_range;
 use sharded_runtime::error::{Error, Result};
 use sharded_runtime::gate::{Permit, WriteGate};
+use sharded_runtime::parts::{SliceSelector, Slicing};
 use sharded_runtime::reconciler::Gatekeeper;
 use sharded_runtime::{Action, ObjectKey};
 
-/// The bucket of an object, from its metadata. In label mode: its bucket label (which may
-/// have been set by hand), or else its namespace's bucket. With the shard selector: its
-/// namespace's bucket, as the API server computes it; labels play no part.
-pub fn bucket_of_meta(meta: &ObjectMeta, mode: Mode, bucket_label: &str) -> Option<Bucket> {
-    let namespace = meta.namespace.as_deref().unwrap_or_default();
-    match (mode, meta.labels.as_ref().and_then(|labels| labels.get(bucket_label))) {
-        (Mode::Labels, Some(label)) => bucket::parse_label(label),
-        _ => Some(mode.bucket_of(namespace)),
+/// How a sharded controller's watches and cache see buckets: by the IDs `ownership` names
+/// them with now (see [`BucketIds`]), as the API server's filter sees them (in label mode,
+/// a hand-set bucket label wins), as the write gate does.
+pub fn slicing(ownership: &Arc<Ownership>, bucket_label: &'static str) -> Slicing {
+    let (of_meta, of_namespace, of_slice) = (ownership.clone(), ownership.clone(), ownership.clone());
+    Slicing::new(
+        move |meta| of_meta.id_of_meta(meta, bucket_label),
+        move |namespace| of_namespace.id_of_namespace(namespace),
+        move |ids| slice_selector(&of_slice.ids(), bucket_label, ids),
+    )
+}
+
+/// What our watches ask the API server for, to see the buckets `owned`: in label mode, a
+/// selector on `bucket_label`; with the shard selector, their ranges. An ID whose range has
+/// changed since names nothing, and is left out.
+pub fn slice_selector(ids: &BucketIds, bucket_label: &str, owned: &BTreeSet<BucketId>) -> Option<SliceSelector> {
+    match ids.mode() {
+        Mode::Labels => bucket::selector(bucket_label, owned).map(SliceSelector::Labels),
+        Mode::ShardSelector => {
+            let buckets = owned.iter().filter_map(|id| ids.bucket(*id)).collect();
+            shard_range::selector(ids.ranges(), &buckets).map(SliceSelector::Shards)
+        }
     }
 }
 
@@ -122,33 +138,21 @@ impl WriteGate for ShardGate<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash_ranges::{HashRanges, by_hash};
 
     #[test]
-    fn a_hand_set_bucket_label_routes_in_label_mode_only() {
-        const BUCKET_LABEL: &str = "example.com/bucket";
-        let meta = |label: Option<&str>| ObjectMeta {
-            namespace: Some("shop".into()),
-            labels: label.map(|label| [(BUCKET_LABEL.to_string(), label.to_string())].into()),
-            ..Default::default()
-        };
-        let implied = bucket::bucket_of("shop");
-        assert_eq!(bucket_of_meta(&meta(None), Mode::Labels, BUCKET_LABEL), Some(implied));
-        let other = if implied == 7 { "8" } else { "7" };
-        assert_eq!(
-            bucket_of_meta(&meta(Some(other)), Mode::Labels, BUCKET_LABEL),
-            bucket::parse_label(other),
-            "a hand-set bucket wins"
-        );
-        assert_eq!(
-            bucket_of_meta(&meta(Some("x")), Mode::Labels, BUCKET_LABEL),
-            None,
-            "a malformed label is in no bucket"
-        );
-        let shard_bucket = Some(Mode::ShardSelector.bucket_of("shop"));
-        assert_eq!(
-            bucket_of_meta(&meta(Some(other)), Mode::ShardSelector, BUCKET_LABEL),
-            shard_bucket,
-            "the server ignores labels"
-        );
+    fn a_slice_is_selected_by_its_current_ranges_and_stale_ids_by_none() {
+        let labels = BucketIds::new(Mode::Labels);
+        let selected = slice_selector(&labels, "example.com/bucket", &BTreeSet::from([3, 1]));
+        assert_eq!(selected, Some(SliceSelector::Labels("example.com/bucket in (1,3)".into())));
+        let mut ids = BucketIds::new(Mode::ShardSelector);
+        let namespaces = (1..=20).map(|n| (format!("team-{n}"), 100)).collect();
+        let split = Arc::new(HashRanges::uniform().split(&by_hash(&namespaces)));
+        let changed = *HashRanges::uniform().changed(&split).first().expect("a split");
+        ids.adopt(&split);
+        assert_eq!(slice_selector(&ids, "", &BTreeSet::from([changed])), None, "the old ID of a changed bucket");
+        let selected = slice_selector(&ids, "", &BTreeSet::from([ids.id(changed)]));
+        let expected = shard_range::selector(&split, &BTreeSet::from([changed])).map(SliceSelector::Shards);
+        assert_eq!(selected, expected);
     }
 }
