@@ -200,7 +200,8 @@ impl Assignment {
                 Slot::Draining { from, since } => format!("~{}@{since}", index(from)),
             })
             .collect();
-        let split = !self.ranges.is_uniform();
+        // Ranges are the shard selector's: a label-mode assignment has none to write.
+        let split = self.mode == Mode::ShardSelector && !self.ranges.is_uniform();
         let mode = if split { SPLIT_RANGES_MODE } else { self.mode.as_str() };
         let mut data = BTreeMap::from([
             ("generation".to_string(), self.generation.to_string()),

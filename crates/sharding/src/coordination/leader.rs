@@ -277,7 +277,8 @@ impl Leader {
         }
         m::set_members_alive(receivers.len());
         let ranges = self.ranges_wanted(&current, &receivers, leaving.is_some());
-        if ranges != current.ranges {
+        let new_ranges = ranges != current.ranges;
+        if new_ranges {
             let changed = current.ranges.changed(&ranges);
             if changed.iter().any(|b| current.slots[usize::from(*b)] != Slot::Free) {
                 // Namespaces move between the changed buckets: each is revoked under the old
@@ -306,6 +307,8 @@ impl Leader {
         let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
         m::record_unowned(unowned, last.map_or(Duration::ZERO, |t| now - t));
         next_assignment(&current, &receivers, placement.wanted, &release, republish)
+            // New ranges are published even when no bucket has a receiver to go to.
+            .or_else(|| new_ranges.then(|| Assignment { generation: current.generation + 1, ..current.clone() }))
             .map(|next| (next, resource_version))
     }
 
