@@ -161,8 +161,7 @@ mod tests {
     use super::*;
 
     use crate::sharding::bucket::Mode;
-    use crate::sharding::hash_ranges::{HashRanges, by_hash};
-    use std::sync::Arc;
+    use crate::sharding::hash_ranges::{HashRanges, Ranges, by_hash};
 
     #[test]
     fn names_that_crowd_a_bucket_are_found_in_uniform_shard_selector_ranges_only() {
@@ -175,7 +174,7 @@ mod tests {
         assert_eq!(crowded_buckets(&teams, &in_mode(Mode::Labels), fair), vec![], "xxh3 spreads them");
         let by_namespace = teams.iter().map(|(ns, n)| (ns.clone(), *n as u32)).collect();
         let split = HashRanges::uniform().split(&by_hash(&by_namespace));
-        let split = Assignment { ranges: Arc::new(split), ..in_mode(Mode::ShardSelector) };
+        let split = Assignment { ranges: Ranges::new(split), ..in_mode(Mode::ShardSelector) };
         assert_eq!(crowded_buckets(&teams, &split, fair), vec![], "split ranges keep them apart");
         let one_big = BTreeMap::from([("big".to_string(), 15_000), ("small".to_string(), 5_000)]);
         let crowded = crowded_buckets(&one_big, &in_mode(Mode::ShardSelector), 10_000);

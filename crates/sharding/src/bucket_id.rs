@@ -14,12 +14,11 @@
 //! ranges never change, and an ID is the bucket.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use kube::api::ObjectMeta;
 
 use super::bucket::{self, BUCKETS, Bucket, Mode};
-use super::hash_ranges::HashRanges;
+use super::hash_ranges::{HashRanges, Ranges};
 
 /// A bucket as this process names it to the runtime.
 pub type BucketId = u16;
@@ -32,7 +31,7 @@ const CHANGES: u16 = 1 << (16 - INDEX_BITS);
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct BucketIds {
     mode: Mode,
-    ranges: Arc<HashRanges>,
+    ranges: Ranges,
     /// Buckets whose range changed, with the count modulo [`CHANGES`]; the rest never did.
     changes: BTreeMap<Bucket, u16>,
 }
@@ -40,12 +39,12 @@ pub struct BucketIds {
 impl BucketIds {
     /// IDs in `mode`, under uniform ranges.
     pub fn new(mode: Mode) -> Self {
-        Self { mode, ranges: HashRanges::shared_uniform(), changes: BTreeMap::new() }
+        Self { mode, ranges: Ranges::default(), changes: BTreeMap::new() }
     }
 
     /// Takes `ranges` as the current ones: each bucket whose range differs gets a new ID.
-    pub fn adopt(&mut self, ranges: &Arc<HashRanges>) {
-        if self.mode == Mode::Labels || Arc::ptr_eq(&self.ranges, ranges) || *self.ranges == **ranges {
+    pub fn adopt(&mut self, ranges: &Ranges) {
+        if self.mode == Mode::Labels || self.ranges == *ranges {
             return;
         }
         for bucket in self.ranges.changed(ranges) {
@@ -106,16 +105,16 @@ mod tests {
     use super::*;
     use crate::hash_ranges::by_hash;
 
-    fn split_for(names: &[&str]) -> Arc<HashRanges> {
+    fn split_for(names: &[&str]) -> Ranges {
         let namespaces = names.iter().map(|n| (n.to_string(), 100)).collect();
-        Arc::new(HashRanges::uniform().split(&by_hash(&namespaces)))
+        Ranges::new(HashRanges::uniform().split(&by_hash(&namespaces)))
     }
 
     #[test]
     fn a_bucket_whose_range_changed_gets_a_new_id_and_the_others_keep_theirs() {
         let names: Vec<String> = (1..=50).map(|n| format!("team-{n}")).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
-        let (uniform, split) = (Arc::new(HashRanges::uniform()), split_for(&names));
+        let (uniform, split) = (Ranges::default(), split_for(&names));
         let changed = uniform.changed(&split);
         let mut ids = BucketIds::new(Mode::ShardSelector);
         let before: Vec<BucketId> = (0..BUCKETS).map(|b| ids.id(b)).collect();

@@ -49,6 +49,35 @@ impl Default for HashRanges {
     }
 }
 
+/// Ranges as an assignment holds them: uniform ones without an allocation, since assignments
+/// are made, cloned and compared all the time (the model checker makes millions), and split
+/// ones shared.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Ranges(Option<Arc<HashRanges>>);
+
+impl Ranges {
+    /// `ranges`, held as uniform when they are.
+    pub fn new(ranges: HashRanges) -> Self {
+        Self((!ranges.is_uniform()).then(|| Arc::new(ranges)))
+    }
+
+    /// Whether these are the uniform ranges.
+    pub fn is_uniform(&self) -> bool {
+        self.0.is_none()
+    }
+}
+
+impl std::ops::Deref for Ranges {
+    type Target = HashRanges;
+
+    fn deref(&self) -> &HashRanges {
+        match &self.0 {
+            Some(split) => split,
+            None => HashRanges::uniform_ref(),
+        }
+    }
+}
+
 /// A half-open range of the hash; `end` is 2^64 for the last.
 pub type Range = (u64, u128);
 
@@ -61,11 +90,10 @@ impl HashRanges {
         Self::new((0..BUCKETS).map(|b| (uniform_start(b), b)).collect())
     }
 
-    /// The uniform table, built once and shared: assignments are made often (the model
-    /// checker makes millions), most hold it, and equal `Arc`s compare by pointer first.
-    pub fn shared_uniform() -> Arc<Self> {
-        static UNIFORM: LazyLock<Arc<HashRanges>> = LazyLock::new(|| Arc::new(HashRanges::uniform()));
-        UNIFORM.clone()
+    /// The uniform table, built once.
+    fn uniform_ref() -> &'static Self {
+        static UNIFORM: LazyLock<HashRanges> = LazyLock::new(HashRanges::uniform);
+        &UNIFORM
     }
 
     fn new(by_start: Vec<(u64, Bucket)>) -> Self {
@@ -78,7 +106,7 @@ impl HashRanges {
 
     /// Whether every bucket has its uniform range.
     pub fn is_uniform(&self) -> bool {
-        *self == *Self::shared_uniform()
+        self == Self::uniform_ref()
     }
 
     /// The bucket whose range holds `hash`.

@@ -213,7 +213,7 @@ impl Slice {
 mod tests {
     use super::*;
     use crate::assignment::Slot;
-    use crate::hash_ranges::{HashRanges, by_hash};
+    use crate::hash_ranges::{HashRanges, Ranges, by_hash};
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
@@ -320,7 +320,7 @@ mod tests {
     fn a_bucket_whose_range_changed_unseen_is_lost_and_gained() {
         let t0 = Instant::now();
         let namespaces = (1..=20).map(|n| (format!("team-{n}"), 100)).collect();
-        let split = std::sync::Arc::new(HashRanges::uniform().split(&by_hash(&namespaces)));
+        let split = Ranges::new(HashRanges::uniform().split(&by_hash(&namespaces)));
         let changed = *HashRanges::uniform().changed(&split).first().expect("a split");
         let unchanged = (0..1024).find(|b| !HashRanges::uniform().changed(&split).contains(b)).expect("most");
         let mut slice = Slice::new("me_1", Mode::ShardSelector, S(10));

@@ -41,7 +41,7 @@ use crate::balance::{self, Steadiness};
 use crate::bucket::Mode;
 use crate::capacity;
 use crate::counts::Counts;
-use crate::hash_ranges::{HashRanges, by_hash};
+use crate::hash_ranges::{Ranges, by_hash};
 use crate::membership::{Liveness, pod_of};
 
 /// A member Lease unchanged for this many lease durations is left over from a pod that is
@@ -267,7 +267,7 @@ impl Leader {
                 tracing::warn!(from = current.mode.as_str(), to = mode.as_str(), "changing the sharding mode");
                 return vacate(&current, &release).map(|next| (next, resource_version));
             }
-            current = Assignment { mode, objects: None, ranges: HashRanges::shared_uniform(), ..current };
+            current = Assignment { mode, objects: None, ranges: Ranges::default(), ..current };
         }
         let mut receivers =
             self.members.with(|t| t.receivers(leaving.is_none().then_some(me.as_str()), mode.as_str(), now));
@@ -315,17 +315,17 @@ impl Leader {
     /// The hash ranges to publish in shard-selector mode: split where the counted namespaces
     /// crowd, while this replica may split them and every receiver reads split ranges;
     /// uniform otherwise.
-    fn ranges_wanted(&self, current: &Assignment, receivers: &BTreeSet<String>, leaving: bool) -> Arc<HashRanges> {
+    fn ranges_wanted(&self, current: &Assignment, receivers: &BTreeSet<String>, leaving: bool) -> Ranges {
         if current.mode != Mode::ShardSelector || leaving {
             return current.ranges.clone();
         }
         let may_split = self.config.split_ranges && self.members.with(|t| t.all_read_split_ranges(receivers));
         if !may_split {
-            return if current.ranges.is_uniform() { current.ranges.clone() } else { HashRanges::shared_uniform() };
+            return Ranges::default();
         }
         let Some(namespaces) = self.census.latest() else { return current.ranges.clone() };
         let split = current.ranges.split(&by_hash(&namespaces));
-        if split == *current.ranges { current.ranges.clone() } else { Arc::new(split) }
+        if split == *current.ranges { current.ranges.clone() } else { Ranges::new(split) }
     }
 
     /// Says once per change which renewing members get no buckets, and why.

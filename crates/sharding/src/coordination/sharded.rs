@@ -138,7 +138,7 @@ impl WriteGate for ShardGate<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash_ranges::{HashRanges, by_hash};
+    use crate::hash_ranges::{HashRanges, Ranges, by_hash};
 
     #[test]
     fn a_slice_is_selected_by_its_current_ranges_and_stale_ids_by_none() {
@@ -147,7 +147,7 @@ mod tests {
         assert_eq!(selected, Some(SliceSelector::Labels("example.com/bucket in (1,3)".into())));
         let mut ids = BucketIds::new(Mode::ShardSelector);
         let namespaces = (1..=20).map(|n| (format!("team-{n}"), 100)).collect();
-        let split = Arc::new(HashRanges::uniform().split(&by_hash(&namespaces)));
+        let split = Ranges::new(HashRanges::uniform().split(&by_hash(&namespaces)));
         let changed = *HashRanges::uniform().changed(&split).first().expect("a split");
         ids.adopt(&split);
         assert_eq!(slice_selector(&ids, "", &BTreeSet::from([changed])), None, "the old ID of a changed bucket");
