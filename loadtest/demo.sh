@@ -55,18 +55,28 @@ done
 head -1 "$state/controlplane.out"
 
 kubectl apply -f crds/ >/dev/null
-# The demo's replicas run as the control plane's admin: the fencing policy takes it for the
-# operator (it applies once the operator's namespace, its parameter, exists).
-sed -e "s/'system:serviceaccount:' + params.metadata.name + ':traffic-policy-operator'/'admin'/" \
-  deploy/components/fencing/fencing.yaml | kubectl apply -f - >/dev/null
 kubectl wait --for condition=established --timeout=60s crd/applicationtrafficpolicies.trafficpolicy.dev >/dev/null
 
+# The operator as it is installed, less its pods: its namespace, its ServiceAccount and
+# roles, and the admission policies the product ships, unchanged (fencing, and operator-reach,
+# which confines the operator's identity to the objects it manages). The replicas run here as
+# processes with that ServiceAccount's token.
 operator_ns=traffic-policy-operator
-kubectl create namespace "$operator_ns" >/dev/null
+base=deploy/base
+kubectl apply -f "$base/namespace.yaml" -f "$base/clusterrole.yaml" -f "$base/clusterrolebinding.yaml" >/dev/null
+kubectl apply -n "$operator_ns" -f "$base/serviceaccount.yaml" -f "$base/role.yaml" -f "$base/rolebinding.yaml" >/dev/null
+kubectl apply -f deploy/components/fencing/fencing.yaml -f deploy/components/operator-reach/operator-reach.yaml >/dev/null
+operator_kubeconfig="$PWD/$state/operator.kubeconfig"
+cp "$KUBECONFIG" "$operator_kubeconfig"
+token=$(kubectl create token traffic-policy-operator -n "$operator_ns" --duration=24h)
+KUBECONFIG="$operator_kubeconfig" kubectl config set-credentials traffic-policy-operator --token="$token" >/dev/null
+KUBECONFIG="$operator_kubeconfig" kubectl config set-context --current --user=traffic-policy-operator >/dev/null
+
 echo "[demo] starting 3 operator replicas (logs: $state/operator-N.log)..."
 for i in 0 1 2; do
-  "$bin/traffic-policy-operator" --pod-name "traffic-policy-operator-$i" --namespace "$operator_ns" \
-    --metrics-addr 127.0.0.1:0 --health-probe-addr 127.0.0.1:0 --log-format text >"$state/operator-$i.log" 2>&1 &
+  "$bin/traffic-policy-operator" --kubeconfig "$operator_kubeconfig" --pod-name "traffic-policy-operator-$i" \
+    --namespace "$operator_ns" --metrics-addr 127.0.0.1:0 --health-probe-addr 127.0.0.1:0 --log-format text \
+    >"$state/operator-$i.log" 2>&1 &
   pids+=($!)
 done
 

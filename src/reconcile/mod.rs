@@ -15,6 +15,7 @@ pub mod cached;
 pub mod desired;
 pub mod events;
 pub mod gateway;
+pub mod ownership;
 pub mod status;
 
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ use serde::{Deserialize, Serialize};
 use self::cached::CachedPolicy;
 use self::events::{Events, Occurrence};
 use self::gateway::verdict::Verdict;
+use self::ownership::Claim;
 use crate::api::{ApplicationTrafficPolicy, Time};
 use crate::error::{Error, Result};
 use crate::runtime::child_versions::{ApplyEffect, ChildVersions, ContentStamp, content_hash};
@@ -64,6 +66,20 @@ struct AnswerMetadata {
     resource_version: String,
 }
 
+/// A child as the policy asks for it, with the [`content_hash`] of what that is.
+struct Desired<C> {
+    kind: &'static str,
+    object: C,
+    content: u64,
+}
+
+impl<C: Serialize> Desired<C> {
+    fn new(kind: &'static str, object: C) -> Self {
+        let content = content_hash(&object);
+        Self { kind, object, content }
+    }
+}
+
 pub struct TrafficPolicyReconciler {
     client: Client,
     events: Events,
@@ -81,6 +97,8 @@ impl TrafficPolicyReconciler {
 
     /// Applies both children, side by side (neither depends on the other, and a reconcile
     /// takes one round trip to the API server instead of two); returns what each apply did.
+    /// Each child to be written is read first, and while either name is someone else's
+    /// object, neither is written ([`ownership`]).
     async fn apply_children(
         &self,
         policy: &ApplicationTrafficPolicy,
@@ -88,24 +106,58 @@ impl TrafficPolicyReconciler {
         gate: &dyn WriteGate,
         labels: &BTreeMap<String, String>,
     ) -> Result<Vec<(&'static str, ApplyEffect)>> {
+        // Not even a read for a replica that may not write.
+        if !gate.permitted() {
+            return Err(Error::LostOwnership);
+        }
         let namespace = policy.namespace().unwrap_or_default();
-        let np = desired::network_policy(policy, labels);
-        let cm = desired::rate_limit_config_map(policy, labels);
+        let np = Desired::new("NetworkPolicy", desired::network_policy(policy, labels));
+        let cm = Desired::new("ConfigMap", desired::rate_limit_config_map(policy, labels));
         let nps = Api::<NetworkPolicy>::namespaced(self.client.clone(), &namespace);
         let cms = Api::<ConfigMap>::namespaced(self.client.clone(), &namespace);
+        let (np_claim, cm_claim) = futures::try_join!(self.claim(&nps, &np, key), self.claim(&cms, &cm, key))?;
+        let clashes: Vec<String> = [(np.kind, &np_claim), (cm.kind, &cm_claim)]
+            .into_iter()
+            .filter_map(|(kind, claim)| match claim {
+                Some(Claim::Foreign { holder }) => {
+                    Some(ownership::clash_message(kind, &namespace, &policy.name_any(), holder))
+                }
+                _ => None,
+            })
+            .collect();
+        if !clashes.is_empty() {
+            return Err(Error::NotOwned(clashes.join("; ")));
+        }
         // Both run to their end, so that what each did is recorded whatever the other did.
         let (np_effect, cm_effect) = futures::join!(
-            self.apply("NetworkPolicy", nps, np, policy, key, gate),
-            self.apply("ConfigMap", cms, cm, policy, key, gate),
+            self.apply(nps, np, np_claim, policy, key, gate),
+            self.apply(cms, cm, cm_claim, policy, key, gate),
         );
         Ok(vec![("NetworkPolicy", np_effect?), ("ConfigMap", cm_effect?)])
     }
 
+    /// Whose the object of `child`'s name is, read from the server; `None` when the child is
+    /// known to hold what we would write, and nothing is to be written.
+    async fn claim<C>(&self, api: &Api<C>, child: &Desired<C>, key: &ObjectKey) -> Result<Option<Claim>>
+    where
+        C: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        if self.child_versions.holds(child.kind, key, child.content) {
+            return Ok(None);
+        }
+        let name = child.object.name_any();
+        let existing = api
+            .get_metadata_opt(&name)
+            .await
+            .map_err(|e| Error::from(e).refusing(|| format!("{} {}/{name}", child.kind, key.namespace())))?;
+        Ok(Some(ownership::claim(existing.as_ref().map(|e| &e.metadata), key.name())))
+    }
+
     async fn apply<C>(
         &self,
-        kind: &'static str,
         api: Api<C>,
-        child: C,
+        child: Desired<C>,
+        claim: Option<Claim>,
         policy: &ApplicationTrafficPolicy,
         key: &ObjectKey,
         gate: &dyn WriteGate,
@@ -113,32 +165,48 @@ impl TrafficPolicyReconciler {
     where
         C: Resource + Serialize,
     {
-        let content = content_hash(&child);
-        if self.child_versions.holds(kind, key, content) {
+        let Some(claim) = claim else {
             return Ok(ApplyEffect::Unchanged);
-        }
-        let version = self.send_apply(kind, api.resource_url(), child, content, key, gate).await?;
+        };
+        let Desired { kind, object, content } = child;
+        let version = self.send_apply(kind, api.resource_url(), object, content, &claim, key, gate).await?;
         Ok(self.child_versions.written(kind, key, &version, policy.meta().generation, content))
     }
 
     /// Server-side applies `child`, stamped with its `content` hash and the gate's fencing
-    /// token; returns its new resourceVersion.
+    /// token; returns its new resourceVersion. What it meets was read just before (`claim`):
+    /// an absent object is created by a plain apply, which fails on a same-named object made
+    /// meanwhile whose fields differ; the policy's own is forced back to what we apply,
+    /// provided it is still at the version read, so that an object someone else made in its
+    /// place meanwhile is never taken over.
+    #[allow(clippy::too_many_arguments)]
     async fn send_apply<C>(
         &self,
         kind: &str,
         url: &str,
         mut child: C,
         content: u64,
+        claim: &Claim,
         key: &ObjectKey,
         gate: &dyn WriteGate,
     ) -> Result<String>
     where
         C: Resource + Serialize,
     {
+        let params = match claim {
+            Claim::Absent => PatchParams::apply(FIELD_MANAGER),
+            Claim::Ours { resource_version } => {
+                child.meta_mut().resource_version = Some(resource_version.clone());
+                PatchParams::apply(FIELD_MANAGER).force()
+            }
+            Claim::Foreign { holder } => {
+                let message = ownership::clash_message(kind, key.namespace(), &child.name_any(), holder);
+                return Err(Error::NotOwned(message));
+            }
+        };
         let permit = gate.check(kind)?;
         CONTENT_STAMP.put(child.annotations_mut(), content);
         gate.stamp(&permit, child.annotations_mut());
-        let params = PatchParams::apply(FIELD_MANAGER).force();
         let request = Request::new(url)
             .patch(&child.name_any(), &params, &Patch::Apply(&child))
             .map_err(kube::Error::BuildRequest)?;
@@ -152,7 +220,7 @@ impl TrafficPolicyReconciler {
             Error::Kube(kube::Error::Api(status)) if status.code == 422 || status.code == 400 => {
                 Error::InvalidSpec(format!("{kind} rejected by the API server: {}", status.message))
             }
-            other => other,
+            other => other.refusing(|| format!("{kind} {}/{}", key.namespace(), child.name_any())),
         })?;
         Ok(answer.metadata.resource_version)
     }
@@ -209,6 +277,20 @@ impl TrafficPolicyReconciler {
         self.event(policy, gate, Occurrence::Repeating(EventType::Warning), status::TOKEN_CONFLICT, message.clone())
             .await;
         Error::ForeignToken(message)
+    }
+
+    /// Says in the status and in a Warning event (of the outcome's reason) why the policy is
+    /// not applied; the result is the status write's.
+    async fn report_failure(
+        &self,
+        policy: &ApplicationTrafficPolicy,
+        gate: &dyn WriteGate,
+        outcome: Outcome,
+    ) -> Result<()> {
+        let written = self.write_status(policy, &outcome, None, gate).await;
+        let (reason, message) = outcome.reason_and_message();
+        self.event(policy, gate, Occurrence::Repeating(EventType::Warning), reason, message).await;
+        written
     }
 
     /// Publishes an event; failures are logged, never fatal. True when it was published.
@@ -285,7 +367,13 @@ impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
                     repaired,
                     applied_event
                 );
-                status?;
+                match status {
+                    // Fenced while this replica owns the bucket: a foreign token, as for a child.
+                    Err(Error::Fenced(refused)) if gate.permitted() => {
+                        return Err(self.token_conflict(&policy, gate, &refused).await);
+                    }
+                    status => status?,
+                }
                 let recheck =
                     gateway::verdict::recheck_after(&verdicts, status::pending_for(policy.status.as_ref(), &now()));
                 Ok(match (changed_meanwhile, recheck) {
@@ -297,18 +385,19 @@ impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
                 })
             }
             Err(Error::InvalidSpec(message)) => {
-                self.write_status(&policy, &Outcome::InvalidSpec(message.clone()), None, gate).await?;
-                self.event(&policy, gate, Occurrence::Repeating(EventType::Warning), "InvalidSpec", message.clone())
-                    .await;
+                self.report_failure(&policy, gate, Outcome::InvalidSpec(message.clone())).await?;
                 Err(Error::InvalidSpec(message))
+            }
+            // Nothing was written: the status says whose object is in the way.
+            Err(Error::NotOwned(message)) => {
+                self.report_failure(&policy, gate, Outcome::Conflict(message.clone())).await?;
+                Err(Error::NotOwned(message))
             }
             Err(Error::Fenced(refused)) if gate.permitted() => Err(self.token_conflict(&policy, gate, &refused).await),
             Err(error @ (Error::LostOwnership | Error::Fenced(_))) => Err(error),
             Err(error) => {
                 // Best effort: the API may be what is failing.
-                let _ = self.write_status(&policy, &Outcome::ApplyFailed(error.to_string()), None, gate).await;
-                self.event(&policy, gate, Occurrence::Repeating(EventType::Warning), "ApplyFailed", error.to_string())
-                    .await;
+                let _ = self.report_failure(&policy, gate, Outcome::ApplyFailed(error.to_string())).await;
                 Err(error)
             }
         }

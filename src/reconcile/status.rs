@@ -11,6 +11,9 @@ use crate::api::{ApplicationTrafficPolicyStatus, Condition, ConditionStatus, Tim
 pub const READY: &str = "Ready";
 /// The Ready reason (and Warning event) of a policy whose writes a foreign fencing token refuses.
 pub const TOKEN_CONFLICT: &str = "FencingTokenConflict";
+/// The Ready reason (and Warning event) of a policy a child of which would take the name of an
+/// object that is not the policy's.
+pub const CONFLICT: &str = "Conflict";
 /// The Ready reason of a policy whose objects are in place but whose gateway refuses them.
 pub const GATEWAY_NOT_ACCEPTED: &str = "GatewayNotAccepted";
 /// The condition types this operator writes; others (another writer's) are kept as they are.
@@ -27,6 +30,8 @@ pub enum Outcome {
     ApplyFailed(String),
     /// A child or the status carries a fencing token this operator cannot beat.
     TokenConflict(String),
+    /// A child's name is taken by an object that is not the policy's: nothing was written.
+    Conflict(String),
 }
 
 impl Outcome {
@@ -38,16 +43,24 @@ impl Outcome {
             Self::InvalidSpec(message) => (ConditionStatus::False, "InvalidSpec", message.clone()),
             Self::ApplyFailed(message) => (ConditionStatus::False, "ApplyFailed", message.clone()),
             Self::TokenConflict(message) => (ConditionStatus::False, TOKEN_CONFLICT, message.clone()),
+            Self::Conflict(message) => (ConditionStatus::False, CONFLICT, message.clone()),
         }
+    }
+
+    /// The Ready condition's reason and message for this outcome.
+    pub fn reason_and_message(&self) -> (&'static str, String) {
+        let (_, reason, message) = self.condition();
+        (reason, message)
     }
 }
 
 /// The `(ready, reason)` pairs `traffic_policy_policies` reports: a fixed set, so the metric
 /// stays bounded whatever a status says. A policy without a Ready condition for its current
 /// generation is `("Unknown", "Pending")`.
-pub const READY_STATES: [(&str, &str); 7] = [
+pub const READY_STATES: [(&str, &str); 8] = [
     ("True", "Applied"),
     ("False", GATEWAY_NOT_ACCEPTED),
+    ("False", CONFLICT),
     ("False", "InvalidSpec"),
     ("False", "ApplyFailed"),
     ("False", TOKEN_CONFLICT),

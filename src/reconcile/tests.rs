@@ -24,6 +24,7 @@ use crate::runtime::gate::Permit;
 struct Sent {
     method: Method,
     path: String,
+    query: Option<String>,
     body: Value,
 }
 
@@ -40,8 +41,9 @@ fn recording_client(answer: Answer) -> (Client, Arc<Mutex<Vec<Sent>>>) {
             let bytes = body.collect_bytes().await?;
             let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
             let (method, path) = (parts.method.clone(), parts.uri.path().to_string());
+            let query = parts.uri.query().map(str::to_string);
             let (code, answer) = answer(&method, &path);
-            record.lock().unwrap().push(Sent { method, path, body });
+            record.lock().unwrap().push(Sent { method, path, query, body });
             let response = Response::builder().status(code).body(Body::from(serde_json::to_vec(&answer).unwrap()));
             Ok::<_, kube::Error>(response.unwrap())
         }
@@ -49,17 +51,51 @@ fn recording_client(answer: Answer) -> (Client, Arc<Mutex<Vec<Sent>>>) {
     (Client::new(service, "default"), sent)
 }
 
-/// The API server as it answers a healthy reconcile: each apply with a new resourceVersion.
-fn accepts(_: &Method, path: &str) -> (u16, Value) {
+/// The API server as it answers a healthy reconcile: no child exists yet, and each apply
+/// answers with a new resourceVersion.
+fn accepts(method: &Method, path: &str) -> (u16, Value) {
     match path {
+        _ if method == Method::GET => {
+            (404, serde_json::to_value(Status::failure("not found", "NotFound").with_code(404)).unwrap())
+        }
         p if p.ends_with("/status") || p.contains("/events") => (200, json!({})),
         _ => (200, json!({ "metadata": { "resourceVersion": "41" } })),
     }
 }
 
+/// A tenant made a NetworkPolicy of the policy's name; the ConfigMap is the policy's own.
+fn a_tenant_holds_the_network_policy(method: &Method, path: &str) -> (u16, Value) {
+    let meta = |extra: Value| {
+        let mut metadata = json!({ "name": "web", "namespace": "shop", "resourceVersion": "17" });
+        metadata.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        json!({ "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": metadata })
+    };
+    match path {
+        NETWORK_POLICY if method == Method::GET => {
+            (200, meta(json!({ "managedFields": [{ "manager": "kubectl-create", "operation": "Update" }] })))
+        }
+        CONFIG_MAP if method == Method::GET => (
+            200,
+            meta(
+                json!({ "ownerReferences": [{ "apiVersion": "trafficpolicy.dev/v1", "kind": "ApplicationTrafficPolicy",
+                "name": "web", "uid": "an-earlier-uid", "controller": true }] }),
+            ),
+        ),
+        _ => accepts(method, path),
+    }
+}
+
+/// Like [`a_tenant_holds_the_network_policy`], with the NetworkPolicy the policy's own too.
+fn both_children_are_the_policys(method: &Method, path: &str) -> (u16, Value) {
+    match path {
+        NETWORK_POLICY if method == Method::GET => a_tenant_holds_the_network_policy(method, CONFIG_MAP),
+        _ => a_tenant_holds_the_network_policy(method, path),
+    }
+}
+
 /// Refuses the NetworkPolicy as invalid (a value the CRD schema could not rule out).
 fn refuses_the_network_policy(method: &Method, path: &str) -> (u16, Value) {
-    if path.contains("/networkpolicies/") {
+    if path.contains("/networkpolicies/") && method == Method::PATCH {
         let status = Status::failure("NetworkPolicy.networking.k8s.io \"web\" is invalid", "Invalid").with_code(422);
         return (422, serde_json::to_value(status).unwrap());
     }
@@ -68,7 +104,7 @@ fn refuses_the_network_policy(method: &Method, path: &str) -> (u16, Value) {
 
 /// The fencing policy refuses every child: a higher token is stored.
 fn fences_the_children(method: &Method, path: &str) -> (u16, Value) {
-    if path.contains("/networkpolicies/") || path.contains("/configmaps/") {
+    if (path.contains("/networkpolicies/") || path.contains("/configmaps/")) && method == Method::PATCH {
         let status = Status::failure("denied: a newer token (fenced)", "Forbidden").with_code(403);
         return (403, serde_json::to_value(status).unwrap());
     }
@@ -149,10 +185,14 @@ async fn a_new_policy_is_applied_stamped_and_reported_then_nothing_is_written_ag
         reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await.unwrap();
     assert_eq!(action, Action::Done);
     let first = sent.lock().unwrap().drain(..).collect::<Vec<_>>();
-    let mut children: Vec<String> = lines(&first[..2]);
+    let mut reads: Vec<String> = lines(&first[..2]);
+    reads.sort();
+    assert_eq!(reads, [format!("GET {CONFIG_MAP}"), format!("GET {NETWORK_POLICY}")], "whose each name is, first");
+    let mut children: Vec<String> = lines(&first[2..4]);
     children.sort();
     assert_eq!(children, [format!("PATCH {CONFIG_MAP}"), format!("PATCH {NETWORK_POLICY}")], "both children at once");
-    for child in &first[..2] {
+    for child in &first[2..4] {
+        assert!(child.body["metadata"]["resourceVersion"].is_null(), "a new child has no precondition");
         let annotations = &child.body["metadata"]["annotations"];
         assert_eq!(annotations["test/token"], "7", "the gate stamps its token: {}", child.path);
         assert!(annotations[CONTENT_ANNOTATION].is_string(), "the content hash: {}", child.path);
@@ -163,7 +203,7 @@ async fn a_new_policy_is_applied_stamped_and_reported_then_nothing_is_written_ag
     assert_eq!(status.body["status"]["observedGeneration"], 2);
     let event = first.iter().find(|s| s.path.contains("/events")).expect("an Applied event");
     assert_eq!(event.body["reason"], "Applied");
-    assert_eq!(first.len(), 4, "{:?}", lines(&first));
+    assert_eq!(first.len(), 6, "{:?}", lines(&first));
 
     // Again, before the cache shows the status: the children are known to hold what would
     // be written, and the event went out; only the status is written again.
@@ -213,4 +253,46 @@ async fn a_reconcile_that_may_not_write_sends_nothing() {
     let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await;
     assert!(matches!(result, Err(Error::LostOwnership)));
     assert!(sent.lock().unwrap().is_empty(), "{:?}", lines(&sent.lock().unwrap()));
+}
+
+#[tokio::test]
+async fn a_tenants_object_of_a_childs_name_is_reported_and_nothing_is_written() {
+    let (client, sent) = recording_client(a_tenant_holds_the_network_policy);
+    let key = ObjectKey::new("shop", "web");
+    let (reconciler, gate) = (reconciler(client), TestGate { permits: true });
+    let result = reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await;
+    let error = result.unwrap_err();
+    assert!(matches!(error, Error::NotOwned(_)) && !error.is_terminal(), "retried with backoff: {error:?}");
+    assert_eq!(error.kind(), "not_owned");
+    let sent = sent.lock().unwrap();
+    let children: Vec<_> = sent.iter().filter(|s| s.method != Method::GET && !s.path.contains("/events")).collect();
+    assert_eq!(
+        lines(&children.into_iter().cloned().collect::<Vec<_>>()),
+        [format!("PATCH {STATUS}")],
+        "no child written"
+    );
+    let status = sent.iter().find(|s| s.path == STATUS).unwrap();
+    assert_eq!(ready(&status.body), ("False", status::CONFLICT));
+    let message = status.body["status"]["conditions"][0]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("NetworkPolicy shop/web exists and is not this policy's (managed by kubectl-create)"),
+        "{message}"
+    );
+    assert!(!message.contains("ConfigMap"), "the ConfigMap is the policy's own: {message}");
+    let event = sent.iter().find(|s| s.path.contains("/events")).expect("a Warning event");
+    assert_eq!((event.body["type"].as_str(), event.body["reason"].as_str()), (Some("Warning"), Some("Conflict")));
+}
+
+#[tokio::test]
+async fn the_policys_own_children_are_forced_back_at_the_version_read() {
+    let (client, sent) = recording_client(both_children_are_the_policys);
+    let key = ObjectKey::new("shop", "web");
+    let (reconciler, gate) = (reconciler(client), TestGate { permits: true });
+    reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&policy())), &gate, Priority::High).await.unwrap();
+    let sent = sent.lock().unwrap();
+    for child in [NETWORK_POLICY, CONFIG_MAP] {
+        let apply = sent.iter().find(|s| s.method == Method::PATCH && s.path == child).expect("applied");
+        assert_eq!(apply.body["metadata"]["resourceVersion"], "17", "only at the version read: {child}");
+        assert!(apply.query.as_deref().is_some_and(|q| q.contains("force=true")), "forced: {:?}", apply.query);
+    }
 }

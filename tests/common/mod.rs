@@ -56,13 +56,28 @@ pub struct TestEnv {
     pub namespace: String,
 }
 
+/// A namespace with this label is outside the operator-reach policy's binding on the shared
+/// control plane: there, the operator's own checks are all that keep it to its objects.
+pub const WITHOUT_OPERATOR_REACH: (&str, &str) = ("tpo-test/operator-reach", "absent");
+
 impl TestEnv {
     pub async fn new(namespace: &str) -> Self {
+        Self::with_labels(namespace, &[]).await
+    }
+
+    /// A namespace that the operator-reach admission policy does not cover, as in a cluster
+    /// without it.
+    pub async fn without_operator_reach(namespace: &str) -> Self {
+        Self::with_labels(namespace, &[WITHOUT_OPERATOR_REACH]).await
+    }
+
+    async fn with_labels(namespace: &str, labels: &[(&str, &str)]) -> Self {
         let cp = tokio::task::spawn_blocking(ControlPlane::shared).await.unwrap();
         let client = cp.client().await.unwrap();
         install_once(cp).await;
+        let labels = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let ns = Namespace {
-            metadata: ObjectMeta { name: Some(namespace.into()), ..Default::default() },
+            metadata: ObjectMeta { name: Some(namespace.into()), labels: Some(labels), ..Default::default() },
             ..Default::default()
         };
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
@@ -141,6 +156,7 @@ async fn install_once(cp: &'static ControlPlane) {
             for component in components {
                 let mut objects = manifests::read(&Path::new(REPO).join("deploy/components").join(component)).unwrap();
                 manifests::set_operator_identity(&mut objects, FROM_OPERATOR);
+                exempt_from_operator_reach(&mut objects);
                 manifests::apply(&client, &objects, "e2e-tests").await.unwrap();
             }
             // deploy/base/flowschema.yaml, for every service account: each test runs its operators
@@ -176,6 +192,18 @@ async fn install_once(cp: &'static ControlPlane) {
             manifests::wait_policies_admitted(&client, "default", DEADLINE).await.unwrap();
         })
         .await;
+}
+
+/// Leaves the namespaces labelled [`WITHOUT_OPERATOR_REACH`] out of the operator-reach binding.
+fn exempt_from_operator_reach(objects: &mut [kube::api::DynamicObject]) {
+    let (key, _) = WITHOUT_OPERATOR_REACH;
+    for binding in objects.iter_mut().filter(|o| o.name_any() == "trafficpolicy.dev-operator-reach") {
+        if binding.types.as_ref().is_some_and(|t| t.kind == "ValidatingAdmissionPolicyBinding") {
+            binding.data["spec"]["matchResources"] = serde_json::json!({
+                "namespaceSelector": { "matchExpressions": [{ "key": key, "operator": "DoesNotExist" }] }
+            });
+        }
+    }
 }
 
 /// The fencing policy's binding, removed while a scenario shows that the timing layer holds

@@ -3,6 +3,7 @@
 //! its own operator process scoped to it.
 
 mod bucket_labels;
+mod clash;
 mod gateway;
 mod lifecycle;
 mod metrics;

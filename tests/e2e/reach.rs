@@ -1,13 +1,11 @@
 //! The operator-reach admission policy: the operator's identity writes only what it manages,
-//! and never in the protected namespaces, whatever its ClusterRole grants.
+//! and never in the protected namespaces, whatever its ClusterRole grants. (Objects of a
+//! child's name that are not the operator's: `clash.rs`.)
 
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use kube::core::ObjectMeta;
-use traffic_policy_operator::api::{ApplicationTrafficPolicy, ConditionStatus};
 
-use crate::lifecycle::policy;
 use crate::support::{TestEnv, eventually};
 
 const MANAGED: [(&str, &str); 1] = [("app.kubernetes.io/managed-by", "traffic-policy-operator")];
@@ -62,23 +60,4 @@ async fn the_operator_identity_writes_only_what_it_manages() {
     // The same writes from another identity are none of this policy's business.
     let admin = Api::<ConfigMap>::namespaced(env.client.clone(), &env.namespace);
     admin.create(&create, &config_map(&env.namespace, "unlabelled", false)).await.expect("the admin may");
-}
-
-/// A NetworkPolicy a user made, with the name a policy's child would have, is not taken over:
-/// the write is refused and the policy says why, and the user's object is unchanged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_users_object_of_a_childs_name_is_not_taken_over() {
-    let env = TestEnv::new("e2e-reach-user").await;
-    let users =
-        NetworkPolicy { metadata: ObjectMeta { name: Some("web".into()), ..Default::default() }, ..Default::default() };
-    let nps = env.api::<NetworkPolicy>();
-    let apply = PatchParams::apply("a-user");
-    nps.patch("web", &apply, &Patch::Apply(&users)).await.unwrap();
-    let _operator = env.start_operator(&[]).await;
-    env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &policy("web", 80)).await.unwrap();
-    let failed = env.wait_ready("web", ConditionStatus::False).await;
-    let ready = failed.status.unwrap().conditions.into_iter().find(|c| c.type_ == "Ready").unwrap();
-    assert!(ready.message.contains("operator-reach"), "Ready=False does not say why: {ready:?}");
-    let users = nps.get("web").await.unwrap();
-    assert!(users.metadata.owner_references.is_none(), "the user's NetworkPolicy was taken over");
 }

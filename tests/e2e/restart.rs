@@ -170,7 +170,12 @@ async fn a_missing_permission_is_retried_with_backoff_until_granted() {
 
     env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &policy("blocked", 80)).await.unwrap();
     let failed = env.wait_ready("blocked", ConditionStatus::False).await;
-    assert_eq!(failed.status.unwrap().conditions[0].reason, "ApplyFailed");
+    let ready = &failed.status.unwrap().conditions[0];
+    assert_eq!(ready.reason, "ApplyFailed");
+    // A short line that names the object, who refused and why; no dump of the client's error.
+    let refused = format!("ConfigMap {}/blocked: the API server refused it (403 Forbidden): ", env.namespace);
+    assert!(ready.message.starts_with(&refused), "{}", ready.message);
+    assert!(!ready.message.contains("Status {"), "{}", ready.message);
     eventually("the failure is retried with backoff", || async {
         (operator.metric("workqueue_retries_total", None) >= 2.0).then_some(())
     })

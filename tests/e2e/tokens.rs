@@ -161,3 +161,37 @@ async fn a_token_the_operator_cannot_beat_is_reported_and_recovered() {
     let ingress = np.spec.unwrap().ingress.unwrap();
     assert_eq!(ingress[0].ports.as_ref().unwrap()[0].port, Some(IntOrString::Int(9090)), "the new spec took effect");
 }
+
+/// The epoch space has two ends, both held: the largest epoch (18 digits) fences a lower
+/// one, and a longer token is refused, not read as no token, which would let any later
+/// write through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_past_18_digits_is_refused_and_the_largest_fences() {
+    // Outside operator-reach, so that the operator's identity may write plain ConfigMaps.
+    let env = TestEnv::without_operator_reach("e2e-tokens-ends").await;
+    let identity = env.operator_identity("operator", None).await;
+    let own = Api::<ConfigMap>::namespaced(identity.client(env.cp).await.unwrap(), &env.namespace);
+    let with_token = |name: &str, token: &str| ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            annotations: Some([(TOKEN.to_string(), token.to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let (largest, past) = ("999999999999999999", "1000000000000000000");
+    own.create(&PostParams::default(), &with_token("largest", largest)).await.expect("18 digits are an epoch");
+    let message = refused("a 19-digit token", own.create(&PostParams::default(), &with_token("past", past)).await);
+    assert!(message.contains("malformed shard epoch 1000000000000000000"), "{message}");
+    own.create(&PostParams::default(), &with_token("low", "5")).await.unwrap();
+    let message = refused(
+        "raising a token past 18 digits",
+        own.patch("low", &PatchParams::default(), &annotate(Some(past))).await,
+    );
+    assert!(message.contains("malformed shard epoch"), "{message}");
+    let message = refused(
+        "a lower epoch over the largest",
+        own.patch("largest", &PatchParams::default(), &annotate(Some("5"))).await,
+    );
+    assert!(message.contains("shard epoch 5 over the stored 999999999999999999"), "{message}");
+}

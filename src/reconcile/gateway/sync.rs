@@ -8,9 +8,10 @@
 
 use std::collections::BTreeMap;
 
-use kube::api::{Api, DeleteParams, DynamicObject};
-use kube::core::ApiResource;
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, DynamicObject, ObjectMeta};
+use kube::core::{ApiResource, Request};
+use serde::de::IgnoredAny;
 use serde_json::Value;
 
 use super::objects::{self, Outputs};
@@ -20,10 +21,11 @@ use crate::api::{ApplicationTrafficPolicy, ConditionStatus};
 use crate::error::{Error, Result};
 use crate::reconcile::CONTENT_ANNOTATION;
 use crate::reconcile::TrafficPolicyReconciler;
+use crate::reconcile::ownership::{self, Claim};
 use crate::runtime::ObjectKey;
 use crate::runtime::child_versions::ContentStamp;
 use crate::runtime::child_versions::content_hash;
-use crate::runtime::gate::WriteGate;
+use crate::runtime::gate::{WriteGate, bounded, with_server_timeout};
 
 impl TrafficPolicyReconciler {
     /// Brings the policy's gateway objects in line with its spec and reads what the gateway
@@ -73,7 +75,7 @@ impl TrafficPolicyReconciler {
         if let Some(route) = generated_route
             && !gateway_missing
         {
-            match self.apply_output(policy, key, gate, &http_route(), route, routes[0].1.as_ref()).await? {
+            match self.apply_output(key, gate, &http_route(), route, routes[0].1.as_ref()).await? {
                 Output::InPlace { written } => route_written = written,
                 Output::Refused(verdict) => verdicts.push(verdict),
             }
@@ -84,7 +86,7 @@ impl TrafficPolicyReconciler {
             let api = Api::<DynamicObject>::namespaced_with(self.client.clone(), &namespace, &resource);
             let current = api.get_opt(&object.name_any()).await?.map(|o| serde_json::to_value(o).expect("serializes"));
             limit_status = current.as_ref().map(|c| c["status"].clone());
-            match self.apply_output(policy, key, gate, &resource, object, current.as_ref()).await? {
+            match self.apply_output(key, gate, &resource, object, current.as_ref()).await? {
                 Output::InPlace { written } => limit_written = written,
                 Output::Refused(verdict) => verdicts.push(verdict),
             }
@@ -154,7 +156,6 @@ impl TrafficPolicyReconciler {
     /// of the same name that is not the policy's.
     async fn apply_output(
         &self,
-        policy: &ApplicationTrafficPolicy,
         key: &ObjectKey,
         gate: &dyn WriteGate,
         resource: &ApiResource,
@@ -163,29 +164,20 @@ impl TrafficPolicyReconciler {
     ) -> Result<Output> {
         let kind = resource.kind.as_str();
         let content = content_hash(&object);
+        let claim = ownership::claim(metadata(current).as_ref(), key.name());
+        if let Claim::Foreign { holder } = &claim {
+            let message = ownership::clash_message(kind, key.namespace(), &object.name_any(), holder);
+            let type_ = if kind == "HTTPRoute" { verdict::ROUTE_ACCEPTED } else { verdict::RATE_LIMIT_ACCEPTED };
+            return Ok(Output::Refused(Verdict { type_, status: ConditionStatus::False, reason: "Conflict", message }));
+        }
         if let Some(current) = current {
-            if !owned_by(current, policy) {
-                let message = format!(
-                    "{kind} {}/{} exists and is not this policy's: the operator does not take it over; rename it, or \
-                     name it under httpRoutes",
-                    key.namespace(),
-                    object.name_any()
-                );
-                let type_ = if kind == "HTTPRoute" { verdict::ROUTE_ACCEPTED } else { verdict::RATE_LIMIT_ACCEPTED };
-                return Ok(Output::Refused(Verdict {
-                    type_,
-                    status: ConditionStatus::False,
-                    reason: "Conflict",
-                    message,
-                }));
-            }
             let stamped = current["metadata"]["annotations"][CONTENT_ANNOTATION].as_str();
             if stamped.and_then(ContentStamp::parse) == Some(content) {
                 return Ok(Output::InPlace { written: false });
             }
         }
         let api = Api::<DynamicObject>::namespaced_with(self.client.clone(), key.namespace(), resource);
-        match self.send_apply(kind, api.resource_url(), object, content, key, gate).await {
+        match self.send_apply(kind, api.resource_url(), object, content, &claim, key, gate).await {
             Ok(_) => Ok(Output::InPlace { written: true }),
             // The API server does not serve the kind: the gateway's CRDs are not installed.
             Err(Error::Kube(kube::Error::Api(status))) if status.code == 404 => {
@@ -213,22 +205,32 @@ impl TrafficPolicyReconciler {
         for resource in kinds.filter(|r| !keep.contains(&r.kind.as_str())) {
             let api = Api::<DynamicObject>::namespaced_with(self.client.clone(), &namespace, &resource);
             let Some(found) = api.get_opt(&policy.name_any()).await? else { continue };
-            if !owned_by(&serde_json::to_value(&found).expect("serializes"), policy) {
+            if !matches!(ownership::claim(Some(&found.metadata), &policy.name_any()), Claim::Ours { .. }) {
                 continue;
             }
-            gate.check(&resource.kind)?;
-            let precondition = DeleteParams {
-                preconditions: found
-                    .meta()
-                    .uid
-                    .clone()
-                    .map(|uid| kube::api::Preconditions { uid: Some(uid), resource_version: None }),
+            // Like an apply: sent under a permit, bounded by the write bound (a delete that
+            // does not answer in time is abandoned, and the gate waits out the bound), and
+            // only if the object is still the version just read and found ours.
+            let permit = gate.check(&resource.kind)?;
+            let params = DeleteParams {
+                preconditions: Some(kube::api::Preconditions {
+                    uid: found.metadata.uid.clone(),
+                    resource_version: found.metadata.resource_version.clone(),
+                }),
                 ..Default::default()
             };
-            match api.delete(&policy.name_any(), &precondition).await {
+            let request = Request::new(api.resource_url())
+                .delete(&policy.name_any(), &params)
+                .map_err(kube::Error::BuildRequest)?;
+            let request = with_server_timeout(request, gate.write_bound());
+            match bounded(gate, &permit, self.client.request::<IgnoredAny>(request)).await {
                 Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-                Err(e) => return Err(e.into()),
+                Err(Error::Kube(kube::Error::Api(s))) if s.code == 404 => {}
+                // A 409 (changed since it was read) is refused like any other: it is retried.
+                Err(e) => {
+                    let object = || format!("{} {namespace}/{}", resource.kind, policy.name_any());
+                    return Err(e.refusing(object));
+                }
             }
         }
         Ok(())
@@ -247,18 +249,9 @@ fn kind_name(kind: &str) -> &'static str {
     ["HTTPRoute", "Middleware", "BackendTrafficPolicy"].into_iter().find(|k| *k == kind).unwrap_or("")
 }
 
-/// Whether `object` is the policy's: its controller is an ApplicationTrafficPolicy of the
-/// policy's name. The uid may differ: a policy deleted and created again (a restore) finds
-/// what the one before it wrote, which the garbage collector has yet to remove, and takes
-/// it over, as server-side apply takes over its NetworkPolicy and ConfigMap.
-fn owned_by(object: &Value, policy: &ApplicationTrafficPolicy) -> bool {
-    let owners = object["metadata"]["ownerReferences"].as_array().map(Vec::as_slice).unwrap_or_default();
-    owners.iter().any(|o| {
-        o["controller"] == true
-            && o["kind"] == ApplicationTrafficPolicy::kind(&()).as_ref()
-            && o["apiVersion"] == ApplicationTrafficPolicy::api_version(&()).as_ref()
-            && o["name"] == policy.name_any().as_str()
-    })
+/// The metadata of an object read as JSON.
+fn metadata(object: Option<&Value>) -> Option<ObjectMeta> {
+    object.map(|o| serde_json::from_value(o["metadata"].clone()).unwrap_or_default())
 }
 
 /// Whether the policy's status shows a gateway half it may still have objects of.
@@ -266,29 +259,4 @@ fn had_gateway_half(policy: &ApplicationTrafficPolicy) -> bool {
     policy.status.as_ref().is_some_and(|s| {
         s.conditions.iter().any(|c| c.type_ == verdict::ROUTE_ACCEPTED || c.type_ == verdict::RATE_LIMIT_ACCEPTED)
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn owned(kind: &str, name: &str, uid: &str, controller: bool) -> Value {
-        json!({ "metadata": { "ownerReferences": [{ "apiVersion": "trafficpolicy.dev/v1", "kind": kind, "name": name,
-            "uid": uid, "controller": controller }] } })
-    }
-
-    #[test]
-    fn an_earlier_policy_of_the_same_name_counts_as_the_policys_own() {
-        let spec =
-            serde_json::from_value(json!({ "applicationSelector": { "matchLabels": { "app": "web" } } })).unwrap();
-        let mut policy = ApplicationTrafficPolicy::new("web", spec);
-        policy.metadata.uid = Some("new".into());
-        assert!(owned_by(&owned("ApplicationTrafficPolicy", "web", "new", true), &policy));
-        assert!(owned_by(&owned("ApplicationTrafficPolicy", "web", "deleted-before", true), &policy), "a restore");
-        assert!(!owned_by(&owned("ApplicationTrafficPolicy", "other", "new", true), &policy));
-        assert!(!owned_by(&owned("ApplicationTrafficPolicy", "web", "new", false), &policy), "not its controller");
-        assert!(!owned_by(&owned("Deployment", "web", "new", true), &policy));
-        assert!(!owned_by(&json!({ "metadata": {} }), &policy), "a user's object");
-    }
 }

@@ -18,6 +18,11 @@ use kube::{Client, ResourceExt};
 /// How many generations one write of the reservation covers.
 pub const BLOCK: u64 = 1000;
 
+/// The first generation never granted: 10^18, the smallest of 19 digits. A fencing token is
+/// 1 to 18 digits, which a CEL int holds and the fencing policy parses; it refuses a longer
+/// one rather than read it as no token.
+pub const EPOCH_LIMIT: u64 = 1_000_000_000_000_000_000;
+
 /// Why the floor could not be read or raised.
 #[derive(Debug, thiserror::Error)]
 pub enum FloorError {
@@ -28,6 +33,21 @@ pub enum FloorError {
     Api { object: String, source: Box<kube::Error> },
     #[error("the generation floor on CustomResourceDefinition {0} is not a number")]
     Malformed(String),
+    #[error(
+        "generation {generation} is past the last fencing epoch ({}): the floor on CustomResourceDefinition {object} \
+         leaves no epoch to grant",
+        EPOCH_LIMIT - 1
+    )]
+    Exhausted { object: String, generation: u64 },
+}
+
+/// The reservation to write so that `generation` may be granted, given the `stored` one:
+/// a block ahead, never past [`EPOCH_LIMIT`]; an error when `generation` itself is past it.
+fn next_reservation(stored: u64, generation: u64, object: &str) -> Result<u64, FloorError> {
+    if generation >= EPOCH_LIMIT {
+        return Err(FloorError::Exhausted { object: object.to_string(), generation });
+    }
+    Ok(stored.max(generation.saturating_add(BLOCK).min(EPOCH_LIMIT - 1)))
 }
 
 /// The generation floor on one CustomResourceDefinition, as last read or written.
@@ -56,6 +76,7 @@ impl EpochFloor {
     /// Reserves every generation up to `generation`; writes only when it is above the
     /// reservation, and then a block ahead.
     pub async fn reserve(&self, generation: u64) -> Result<(), FloorError> {
+        next_reservation(0, generation, &self.object)?;
         for _ in 0..3 {
             let reserved = self.reserved().await?;
             if generation <= reserved {
@@ -63,7 +84,7 @@ impl EpochFloor {
             }
             let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
             let stored = self.parse(&crd)?;
-            let next = stored.max(generation.saturating_add(BLOCK));
+            let next = next_reservation(stored, generation, &self.object)?;
             // The resourceVersion makes this a compare-and-swap: two leaders at once never lower it.
             let patch = serde_json::json!({
                 "metadata": {
@@ -106,5 +127,23 @@ impl EpochFloor {
             None => Ok(0),
             Some(value) => value.parse().map_err(|_| FloorError::Malformed(self.object.clone())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_stay_within_the_epoch_space() {
+        let at = |stored, generation| next_reservation(stored, generation, "crd").map_err(|e| e.to_string());
+        assert_eq!(at(0, 1), Ok(1 + BLOCK), "a block ahead");
+        assert_eq!(at(5_000, 1), Ok(5_000), "never lowered");
+        assert_eq!(at(0, EPOCH_LIMIT - 10), Ok(EPOCH_LIMIT - 1), "the block stops at the last epoch");
+        assert_eq!(at(0, EPOCH_LIMIT - 1), Ok(EPOCH_LIMIT - 1), "the last epoch, 18 digits, is granted");
+        assert_eq!((EPOCH_LIMIT - 1).to_string().len(), 18);
+        let past = at(0, EPOCH_LIMIT).unwrap_err();
+        assert!(past.contains("past the last fencing epoch (999999999999999999)"), "{past}");
+        assert!(at(EPOCH_LIMIT, u64::MAX).is_err(), "a floor at the limit leaves nothing to grant");
     }
 }
