@@ -394,7 +394,7 @@ impl Reconciler<CachedPolicy> for TrafficPolicyReconciler {
                 Err(Error::NotOwned(message))
             }
             Err(Error::Fenced(refused)) if gate.permitted() => Err(self.token_conflict(&policy, gate, &refused).await),
-            Err(error @ (Error::LostOwnership | Error::Fenced(_))) => Err(error),
+            Err(error @ (Error::LostOwnership | Error::Fenced(_) | Error::EarlierWriteLanding(_))) => Err(error),
             Err(error) => {
                 // Best effort: the API may be what is failing.
                 let _ = self.report_failure(&policy, gate, Outcome::ApplyFailed(error.to_string())).await;

@@ -318,6 +318,14 @@ where
                 tracing::Span::current().record("result", result.label());
                 tracing::debug!("reconciled");
             }
+            // Not a failure of the object's: looked at again once the earlier write can no
+            // longer land, without growing its backoff.
+            Err(Error::EarlierWriteLanding(wait)) => {
+                self.queue.add_after(key.clone(), wait, Priority::High);
+                self.metrics.reconciled(ReconcileResult::RequeueAfter, took, None);
+                tracing::Span::current().record("result", "earlier_write_landing");
+                tracing::debug!(?wait, "an earlier write may still land; looking again after it");
+            }
             Err(error) if error.is_terminal() => {
                 self.queue.forget(key);
                 let next = if error.keeps_resync() { jittered(self.settings.resync) } else { NOT_OURS_RETRY };

@@ -35,6 +35,11 @@ pub enum Error {
     /// The reconcile panicked; the panic was caught and the key is retried with backoff.
     #[error("reconcile panicked: {0}")]
     Panicked(String),
+    /// A write of the object's bucket was given up unanswered and may still land for this
+    /// long: a newer write waits until it no longer can, so that the late one never
+    /// overwrites it. The object is looked at again then.
+    #[error("an earlier write of the object's bucket may still land for {0:?}; writing after that")]
+    EarlierWriteLanding(Duration),
     /// An API call did not answer in time.
     #[error("API call timed out after {0:?}")]
     Timeout(Duration),
@@ -90,6 +95,7 @@ impl Error {
             Self::ForeignToken(_) => "foreign_token",
             Self::Panicked(_) => "panic",
             Self::Timeout(_) => "timeout",
+            Self::EarlierWriteLanding(_) => "earlier_write_landing",
             Self::NotOwned(_) => "not_owned",
             Self::Kube(kube::Error::Api(status)) | Self::Refused { status, .. } => match status.code {
                 403 => "forbidden",

@@ -178,6 +178,13 @@ impl Slice {
         *at = (*at).max(until);
     }
 
+    /// Until when a write of `bucket` given up unanswered may still land, if that is not past
+    /// at `now`. A newer write of the bucket waits until then: sent before, it could be
+    /// overtaken by the late one, and the object go back (same epoch, so no fence refuses it).
+    pub fn landing(&self, bucket: Bucket, now: Instant) -> Option<Instant> {
+        self.landing.get(&bucket).copied().filter(|until| now <= *until)
+    }
+
     /// Drops from the undrained set what has drained by `now`; true when nothing is left. A
     /// write may land up to its bound, inclusive, so it has drained only once that has passed
     /// (the model checker found an acknowledgement at the very instant a write could land).
@@ -270,6 +277,26 @@ mod tests {
         assert_eq!(slice.acknowledgeable(t0 + S(4)), None, "an abandoned write may still land");
         assert_eq!(slice.acknowledgeable(t0 + S(5)), None, "up to its bound, inclusive");
         assert_eq!(slice.acknowledgeable(t0 + S(5) + Duration::from_millis(1)), Some(2));
+    }
+
+    #[test]
+    fn a_newer_write_waits_until_an_abandoned_one_can_no_longer_land() {
+        let t0 = Instant::now();
+        let mut slice = Slice::new("me_1", Mode::Labels, S(10));
+        slice.confirm(t0, &assignment(1, &[(1, 1), (2, 1)]));
+        assert_eq!(slice.landing(1, t0), None, "nothing abandoned");
+        slice.abandoned(1, t0 + S(5));
+        slice.abandoned(1, t0 + S(3));
+        let cases = [
+            (1, t0, Some(t0 + S(5)), "the latest bound of the bucket's abandoned writes"),
+            (1, t0 + S(5), Some(t0 + S(5)), "up to its bound, inclusive"),
+            (1, t0 + S(5) + Duration::from_millis(1), None, "past it"),
+            (2, t0, None, "another bucket writes on"),
+        ];
+        for (bucket, at, expected, case) in cases {
+            assert_eq!(slice.landing(bucket, at), expected, "{case}");
+        }
+        assert_eq!(slice.permit(1, t0), Some(1), "the bucket stays ours meanwhile");
     }
 
     #[test]

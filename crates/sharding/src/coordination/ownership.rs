@@ -178,6 +178,14 @@ impl InFlight {
         self.ownership.lock().permit(self.bucket, Instant::now()).filter(|e| *e == self.epoch)
     }
 
+    /// How long until a write of this bucket that was given up unanswered can no longer
+    /// land, if one still may (see [`Slice::landing`]).
+    pub fn landing_in(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let until = self.ownership.lock().landing(self.bucket, now)?;
+        Some(until + Duration::from_millis(1) - now)
+    }
+
     /// The longest one write may take (client and server side).
     pub fn write_bound(&self) -> Duration {
         self.ownership.write_bound

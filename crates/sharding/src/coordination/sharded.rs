@@ -93,12 +93,17 @@ impl WriteGate for ShardGate<'_> {
     fn check(&self, what: &str) -> Result<Permit> {
         // Before the check: a write counts as sent from before ownership said yes.
         let sent = Instant::now();
-        match self.in_flight.permit() {
-            Some(token) => {
+        let token = self.in_flight.permit();
+        match (token, token.and_then(|_| self.in_flight.landing_in())) {
+            (Some(_), Some(wait)) => {
+                self.audit.record("write_held", self.key, what);
+                Err(Error::EarlierWriteLanding(wait))
+            }
+            (Some(token), None) => {
                 self.audit.record("write", self.key, what);
                 Ok(Permit { token, sent })
             }
-            None => {
+            (None, _) => {
                 self.audit.record("write_refused", self.key, what);
                 Err(Error::LostOwnership)
             }
