@@ -80,6 +80,13 @@ pub struct RunArgs {
     #[arg(long, env = "TPO_METRICS_AUTH", value_enum, default_value = "none")]
     pub metrics_auth: MetricsAuthMode,
 
+    /// What the fencing and operator-reach admission policies not being in force for this
+    /// replica's identity does: `reported` (a metric and a log line) or `required` (also
+    /// readiness, which the shipped install sets; docs/operations.md, "Admission policies in
+    /// force").
+    #[arg(long, env = "TPO_ADMISSION_POLICIES", value_enum, default_value = "reported")]
+    pub admission_policies: AdmissionPolicies,
+
     /// Address of the health-probe server (/livez, /readyz).
     #[arg(long, env = "TPO_HEALTH_PROBE_ADDR", default_value = "0.0.0.0:8081")]
     pub health_probe_addr: SocketAddr,
@@ -282,6 +289,13 @@ mod tests {
         let err = args(&["--pod-name=p", "--namespace=ops", "--renew-deadline=20s"]).shard_config().unwrap_err();
         assert!(err.contains("--lease-duration"), "{err}");
     }
+}
+
+/// `--admission-policies`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AdmissionPolicies {
+    Reported,
+    Required,
 }
 
 /// `--metrics-auth`.

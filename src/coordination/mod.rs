@@ -3,10 +3,12 @@
 //! - [`NAMES`]: its Leases, ConfigMap, labels and annotations, under `trafficpolicy.dev`;
 //! - [`labeller`]: in label mode, the leader's bucket labels on policies that came without one;
 //! - [`shards_report`]: the `shards` command's report;
-//! - [`capacity`]: how many policies a replica can hold, from `--capacity` or its memory limit.
+//! - [`capacity`]: how many policies a replica can hold, from `--capacity` or its memory limit;
+//! - [`admission`]: whether the fencing and operator-reach policies are in force for it.
 //!
 //! docs/sharding.md describes the protocol and why no two replicas write one object at once.
 
+pub mod admission;
 pub mod capacity;
 pub mod labeller;
 pub mod shards_report;

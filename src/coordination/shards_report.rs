@@ -35,8 +35,9 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             Some((pod, l.spec.as_ref()?.holder_identity.clone().unwrap_or_default()))
         })
         .collect();
-    let policies =
-        Api::<PartialObjectMeta<ApplicationTrafficPolicy>>::all(client).list_metadata(&Default::default()).await?;
+    let policies = Api::<PartialObjectMeta<ApplicationTrafficPolicy>>::all(client.clone())
+        .list_metadata(&Default::default())
+        .await?;
     let mut namespaces: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut held: BTreeMap<String, usize> = BTreeMap::new();
     let mut per_namespace: BTreeMap<String, usize> = BTreeMap::new();
@@ -118,6 +119,7 @@ pub async fn print(client: Client, namespace: &str) -> anyhow::Result<()> {
             println!("replica {holder} gets no buckets: {why}");
         }
     }
+    println!("{}", super::admission::bindings_line(&client).await);
     if shares.len() > 1 {
         let fair = policies.items.len() / shares.len();
         for (ns, count) in per_namespace.iter().filter(|(_, n)| **n > fair) {

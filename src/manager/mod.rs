@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
 use crate::client::Clients;
+use crate::coordination::admission;
 use crate::coordination::audit::Audit;
 use crate::coordination::labeller::BucketLabelling;
 use crate::coordination::tasks::Start;
@@ -41,10 +42,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let config = crate::client::config(args.kubeconfig.as_deref()).await?;
     let clients = Clients::connect(config, args.kube_api_http2, args.kube_api_qps, args.kube_api_burst).await?;
-    let health = admin::Health::with_gates(&READINESS_GATES);
+    let required = args.admission_policies == crate::cli::AdmissionPolicies::Required;
+    let gates: Vec<&'static str> =
+        READINESS_GATES.into_iter().chain(required.then_some(admission::READINESS_GATE)).collect();
+    let health = admin::Health::with_gates(&gates);
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     tokio::spawn(metrics::upkeep(prometheus.clone()));
+    let probe =
+        admission::watch(clients.work.clone(), shard.namespace.clone(), health.clone(), required, shutdown.clone());
+    tokio::spawn(probe);
 
     // Critical tasks: if one ends before shutdown, the process ends.
     let mut critical: JoinSet<&'static str> = JoinSet::new();

@@ -78,6 +78,10 @@ fn describe() {
         "traffic_policy_unlabelled_policies",
         "Policies waiting for their bucket label (reported by the leader; 0 elsewhere)."
     );
+    describe_gauge!(
+        "traffic_policy_admission_policy_in_force",
+        "1 while the admission policy (fencing, operator-reach) refuses what it must for this replica's identity."
+    );
 }
 
 /// 1, with the operator's version: joins other series to the version that exported them.
@@ -116,6 +120,11 @@ pub fn set_policies(states: &[(&'static str, &'static str)], counts: &[usize]) {
     for (&(ready, reason), &count) in states.iter().zip(counts) {
         gauge!("traffic_policy_policies", "ready" => ready, "reason" => reason).set(count as f64);
     }
+}
+
+/// Whether admission policy `policy` (one of a fixed two) is in force for our identity.
+pub fn set_admission_policy_in_force(policy: &'static str, in_force: bool) {
+    gauge!("traffic_policy_admission_policy_in_force", "policy" => policy).set(if in_force { 1.0 } else { 0.0 });
 }
 
 pub fn set_unlabelled(count: usize) {

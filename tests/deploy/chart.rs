@@ -146,7 +146,7 @@ fn the_chart_renders_what_kustomize_renders_for_the_same_settings() {
     std::fs::create_dir_all(&overlay).unwrap();
     let kustomization = "namespace: traffic-policy-operator\nresources: [../../../deploy/base]\ncomponents:\n  \
         - ../../../deploy/components/fencing\n  - ../../../deploy/components/operator-reach\n  \
-        - ../../../deploy/components/metrics-auth\n";
+        - ../../../deploy/components/metrics-auth\n  - ../../../deploy/components/admission-required\n";
     std::fs::write(overlay.join("kustomization.yaml"), kustomization).unwrap();
     let (kustomized, rendered) = render(
         &["deploy/crd/", "target/tmp/metrics-auth-install/"],

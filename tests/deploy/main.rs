@@ -151,7 +151,7 @@ fn alert_rules_pass_promtool_unit_tests() {
         assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
         text
     };
-    assert!(run(&["check", "rules", "alerts.yaml"]).contains("SUCCESS: 15 rules found"));
+    assert!(run(&["check", "rules", "alerts.yaml"]).contains("SUCCESS: 16 rules found"));
     assert!(run(&["test", "rules", "alerts_test.yaml"]).contains("SUCCESS"));
 }
 

@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, PostParams};
 use kube::core::ObjectMeta;
 
-use crate::support::{TestEnv, eventually};
+use crate::support::{Operator, TestEnv, eventually};
 
 const MANAGED: [(&str, &str); 1] = [("app.kubernetes.io/managed-by", "traffic-policy-operator")];
 
@@ -60,4 +60,44 @@ async fn the_operator_identity_writes_only_what_it_manages() {
     // The same writes from another identity are none of this policy's business.
     let admin = Api::<ConfigMap>::namespaced(env.client.clone(), &env.namespace);
     admin.create(&create, &config_map(&env.namespace, "unlabelled", false)).await.expect("the admin may");
+}
+
+/// Each replica asks the server whether both policies refuse what they must for its identity,
+/// and with `--admission-policies=required` (the shipped install's) is ready only while they
+/// do: here, operator-reach does not cover one operator's namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_is_ready_only_while_both_admission_policies_are_in_force() {
+    let covered = TestEnv::new("e2e-admission").await;
+    let operator = covered.start_operator(&["--admission-policies=required"]).await;
+    let in_force = |operator: &Operator| {
+        let text = operator.get("/metrics").ok()?;
+        let value = |policy: &str| {
+            let series = format!("traffic_policy_admission_policy_in_force{{policy=\"{policy}\"}} ");
+            text.lines().find_map(|l| l.strip_prefix(&series)?.parse::<f64>().ok())
+        };
+        Some((value("fencing")?, value("operator-reach")?))
+    };
+    assert_eq!(in_force(&operator), Some((1.0, 1.0)), "ready, with both policies in force");
+
+    let uncovered = TestEnv::without_operator_reach("e2e-admission-uncovered").await;
+    let identity = uncovered.operator_identity("operator", None).await;
+    let args = [
+        format!("--watch-namespace={}", uncovered.namespace),
+        format!("--namespace={}", uncovered.namespace),
+        "--admission-policies=required".into(),
+    ];
+    let uncovered_operator = Operator::spawn(uncovered.cp, &identity.kubeconfig_path, "operator-uncovered", &args);
+    eventually("the replica finds operator-reach not in force", || async {
+        (in_force(&uncovered_operator)? == (1.0, 0.0)).then_some(())
+    })
+    .await;
+    eventually("it waits for nothing else", || async {
+        let readyz = uncovered_operator.get("/readyz").ok()?;
+        readyz
+            .contains("not ready: waiting for admission policies\n")
+            .then_some(())
+            .or_else(|| readyz.trim_end().ends_with("not ready: waiting for admission policies").then_some(()))
+    })
+    .await;
+    assert!(!uncovered_operator.is_ready());
 }
