@@ -136,14 +136,19 @@ impl TrafficPolicyReconciler {
         Ok(vec![("NetworkPolicy", np_effect?), ("ConfigMap", cm_effect?)])
     }
 
-    /// Whose the object of `child`'s name is, read from the server; `None` when the child is
-    /// known to hold what we would write, and nothing is to be written.
+    /// Whose the object of `child`'s name is; `None` when the child is known to hold what we
+    /// would write, and nothing is to be written. A child known to be as our last write left
+    /// it (the child watch saw no one else change it) is ours without a read; any other is
+    /// read from the server.
     async fn claim<C>(&self, api: &Api<C>, child: &Desired<C>, key: &ObjectKey) -> Result<Option<Claim>>
     where
         C: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
     {
         if self.child_versions.holds(child.kind, key, child.content) {
             return Ok(None);
+        }
+        if self.child_versions.as_written(child.kind, key) {
+            return Ok(Some(Claim::Ours { resource_version: None }));
         }
         let name = child.object.name_any();
         let existing = api
@@ -174,11 +179,11 @@ impl TrafficPolicyReconciler {
     }
 
     /// Server-side applies `child`, stamped with its `content` hash and the gate's fencing
-    /// token; returns its new resourceVersion. What it meets was read just before (`claim`):
-    /// an absent object is created by a plain apply, which fails on a same-named object made
-    /// meanwhile whose fields differ; the policy's own is forced back to what we apply,
-    /// provided it is still at the version read, so that an object someone else made in its
-    /// place meanwhile is never taken over.
+    /// token; returns its new resourceVersion. `claim` says what it meets: an absent object is
+    /// created by a plain apply, which fails on a same-named object made meanwhile whose
+    /// fields differ; the policy's own is forced back to what we apply, provided it is still at
+    /// the version read, if one was, so that an object someone else made in its place
+    /// meanwhile is not taken over.
     #[allow(clippy::too_many_arguments)]
     async fn send_apply<C>(
         &self,
@@ -196,7 +201,7 @@ impl TrafficPolicyReconciler {
         let params = match claim {
             Claim::Absent => PatchParams::apply(FIELD_MANAGER),
             Claim::Ours { resource_version } => {
-                child.meta_mut().resource_version = Some(resource_version.clone());
+                child.meta_mut().resource_version = resource_version.clone();
                 PatchParams::apply(FIELD_MANAGER).force()
             }
             Claim::Foreign { holder } => {

@@ -20,9 +20,9 @@ use crate::api::ApplicationTrafficPolicy;
 pub enum Claim {
     /// No object of that name: the write creates it.
     Absent,
-    /// The policy's own, at this resourceVersion: the write may change it, if it is still at
-    /// that version.
-    Ours { resource_version: String },
+    /// The policy's own: read at this resourceVersion, which the write requires; `None` when
+    /// it is known from the operator's own writes, unchanged by anyone since, and not read.
+    Ours { resource_version: Option<String> },
     /// Someone else's: who, in words ("managed by kubectl-client-side-apply").
     Foreign { holder: String },
 }
@@ -47,7 +47,7 @@ pub fn claim(existing: Option<&ObjectMeta>, policy: &str) -> Claim {
         None => orphan_of_ours(meta),
     };
     if ours {
-        return Claim::Ours { resource_version: meta.resource_version.clone().unwrap_or_default() };
+        return Claim::Ours { resource_version: meta.resource_version.clone() };
     }
     let holder = match controller {
         Some(c) => format!("controlled by {} {}", c.kind, c.name),
@@ -118,7 +118,7 @@ mod tests {
 
     #[test]
     fn whose_an_object_is() {
-        let ours = Claim::Ours { resource_version: "42".into() };
+        let ours = Claim::Ours { resource_version: Some("42".into()) };
         let foreign = |holder: &str| Claim::Foreign { holder: holder.into() };
         let atp =
             |name, is_controller| controller("trafficpolicy.dev/v1", "ApplicationTrafficPolicy", name, is_controller);

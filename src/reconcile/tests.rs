@@ -215,6 +215,18 @@ async fn a_new_policy_is_applied_stamped_and_reported_then_nothing_is_written_ag
     written.status = Some(serde_json::from_value(status.body["status"].clone()).unwrap());
     reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&written)), &gate, Priority::High).await.unwrap();
     assert!(sent.lock().unwrap().is_empty(), "{:?}", lines(&sent.lock().unwrap()));
+
+    // A new spec: the children are known to be as our writes left them, so they are ours
+    // without a read, and forced to the new spec.
+    let mut changed = policy();
+    changed.spec.ingress_rules[0].ports[0].port = 9090;
+    changed.metadata.generation = Some(3);
+    reconciler.reconcile(&key, Arc::new(CachedPolicy::new(&changed)), &gate, Priority::High).await.unwrap();
+    let updated = sent.lock().unwrap().drain(..).collect::<Vec<_>>();
+    assert!(updated.iter().all(|s| s.method != Method::GET), "no read: {:?}", lines(&updated));
+    let np = updated.iter().find(|s| s.path == NETWORK_POLICY).expect("the NetworkPolicy follows the spec");
+    assert!(np.query.as_deref().is_some_and(|q| q.contains("force=true")), "{:?}", np.query);
+    assert!(np.body["metadata"]["resourceVersion"].is_null(), "no version was read to require");
 }
 
 #[tokio::test]

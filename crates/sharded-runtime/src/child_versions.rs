@@ -270,6 +270,13 @@ impl ChildVersions {
         inner.get(key, kind).is_some_and(|k| k.resource_version.is_some() && k.content == Some(hash(content)))
     }
 
+    /// Whether the child is known to be as one of our writes left it, whatever it holds: it
+    /// exists, and no one but our field manager has changed it since (so it is ours).
+    pub fn as_written(&self, kind: &'static str, key: &ObjectKey) -> bool {
+        let inner = self.lock();
+        inner.get(key, kind).is_some_and(|k| k.resource_version.is_some() && k.content.is_some())
+    }
+
     /// Starts writing the children of `owner`: their events are held until the guard is
     /// finished or dropped (a cancelled reconcile must not leave events held).
     pub fn begin_write<'a>(&'a self, owner: &ObjectKey) -> WriteGuard<'a> {
