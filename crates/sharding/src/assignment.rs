@@ -400,16 +400,18 @@ pub fn plan_towards(
 /// Where the leader plans from: the newest assignment it knows (`None`: none read yet);
 /// whether the ConfigMap must be written anew (deleted, or an older copy stored over it);
 /// the generation floor reserved on the CRD (read only then); and the highest generation
-/// any member has seen. Generations are fencing epochs and never go back: published anew,
-/// an assignment starts above the reservation, and if a member saw a newer assignment than
-/// we know, what it gave to whom is lost and everything is revoked from an unknown owner.
+/// any member has seen (or found as a token on an object). Generations are fencing epochs
+/// and never go back: published anew, an assignment starts above the reservation. If a
+/// member saw a newer generation than we know, what it gave to whom is lost, and everything
+/// is revoked from an unknown owner before anything is granted. That is compared before the
+/// reservation raises the generation: a reservation says nothing of who holds what.
 pub fn starting_point(known: Option<Assignment>, republish: bool, reserved: u64, seen: u64, mode: Mode) -> Assignment {
     let mut current = known.unwrap_or_else(|| Assignment { mode, ..Assignment::default() });
+    if current.generation < seen {
+        return Assignment::after_loss((seen + 1).max(reserved), mode);
+    }
     if republish {
         current.generation = current.generation.max(reserved);
-    }
-    if current.generation < seen {
-        current = Assignment::after_loss(seen + 1, mode);
     }
     current
 }

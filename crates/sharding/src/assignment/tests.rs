@@ -235,3 +235,31 @@ fn a_member_gains_what_it_owns_now_and_did_not_before() {
     assert_eq!(after.gained_since(&before), [("b", 1), ("b", 2), ("c", 3)]);
     assert!(before.gained_since(&before).is_empty());
 }
+
+#[test]
+fn a_leader_that_knows_less_than_its_members_revokes_before_it_grants() {
+    let settled = plan(&Assignment::default(), &set(&["a", "b"]), &never, None).unwrap();
+    let known = Assignment { generation: 7, ..settled.clone() };
+    let revoked_above = |current: &Assignment, generation: u64| {
+        current.generation == generation
+            && current.slots.iter().all(|s| matches!(s, Slot::Draining { from, .. } if from == UNKNOWN_OWNER))
+    };
+    // (what the leader knows, whether it writes anew, the reservation, the highest generation seen)
+    let lost: [(Option<Assignment>, bool, u64, u64, u64); 5] = [
+        (None, true, 0, 7, 8),                      // deleted, no floor
+        (None, true, 1007, 7, 1007),                // deleted, a floor above what members saw
+        (Some(known.clone()), true, 1007, 9, 1007), // an older copy restored, a floor above
+        (Some(known.clone()), false, 0, 9, 10),     // a member saw a newer one, or its token
+        (None, true, 5000, 9000, 9001),             // a token above the floor: the floor was lost
+    ];
+    for (known, republish, reserved, seen, generation) in lost {
+        let current = starting_point(known.clone(), republish, reserved, seen, Mode::Labels);
+        assert!(revoked_above(&current, generation), "{known:?} {republish} {reserved} {seen}: {current:?}");
+    }
+    // Nothing lost: what we know stands, raised to the floor when written anew.
+    let kept = starting_point(Some(known.clone()), true, 1007, 7, Mode::Labels);
+    assert_eq!((kept.generation, &kept.slots), (1007, &known.slots));
+    assert_eq!(starting_point(Some(known.clone()), false, 0, 7, Mode::Labels), known);
+    let fresh = starting_point(None, true, 1007, 0, Mode::Labels);
+    assert!(fresh.generation == 1007 && fresh.slots.iter().all(|s| *s == Slot::Free), "a first install");
+}
