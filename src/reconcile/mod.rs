@@ -267,14 +267,16 @@ impl TrafficPolicyReconciler {
     }
 
     /// A write was fenced although this replica still owns the policy's bucket. A bucket
-    /// moves only once its owner has let go, so no newer owner wrote the stored token: it
-    /// comes from another install or a hand edit, and no write of ours can beat it. Say so
-    /// in the status (if the status itself is not what is fenced) and in a Warning event.
+    /// moves only once its owner has let go, so no newer owner of this install wrote the
+    /// stored token: the generation floor was lost, or another install or a hand edit set
+    /// it. The gate has told the leader, which grants above it; until then say so in the
+    /// status (if the status itself is not what is fenced) and in a Warning event.
     async fn token_conflict(&self, policy: &ApplicationTrafficPolicy, gate: &dyn WriteGate, refused: &str) -> Error {
         let message = format!(
-            "{refused}. This replica owns the policy's bucket, so the stored fencing token comes from another \
-             install of the operator or a hand edit, and no write of the operator can pass it: remove the token as \
-             the operator's identity (docs/operations.md, \"Fencing token conflicts\")"
+            "{refused}. This replica owns the policy's bucket, so the stored fencing token was written by an earlier \
+             install whose generation floor was lost, by another install, or by hand. The leader revokes every \
+             bucket and grants above it within a lease duration; if this stays, see docs/operations.md, \
+             \"Fencing token conflicts\""
         );
         if let Err(error) = self.write_status(policy, &Outcome::TokenConflict(message.clone()), None, gate).await {
             tracing::debug!(%error, "could not report the fencing token conflict in the status");

@@ -1,7 +1,9 @@
 //! Removing the operator never removes what users declared: on a control plane of its own,
 //! the install is deleted and installed again, in the same namespace, then in another with
 //! Helm, then in a third with kustomize's `namespace:`, and the policies and their children
-//! outlive each removal and are reconciled again.
+//! outlive each removal and are reconciled again. Then the CRD is replaced from git, as
+//! `kubectl replace` and GitOps syncs with Replace=true do, which loses the generation floor:
+//! a reinstall still converges, and a running install writes the floor back.
 
 use std::time::Duration;
 
@@ -20,6 +22,8 @@ use crate::{kubectl, wait_established};
 const TENANT: &str = "shop";
 const POLICY: &str = "web-frontend";
 const FENCE_ANNOTATION: &str = "trafficpolicy.dev/shard-epoch";
+const FLOOR_ANNOTATION: &str = "trafficpolicy.dev/reserved-generation";
+const CRD: &str = "applicationtrafficpolicies.trafficpolicy.dev";
 
 /// The uids of the policy and of its NetworkPolicy and ConfigMap.
 async fn declared(client: &Client) -> [String; 3] {
@@ -36,9 +40,16 @@ async fn declared(client: &Client) -> [String; 3] {
 /// policy's rate to `rate`, waits until the ConfigMap carries it and the status is Ready for
 /// the new generation, and returns the fencing token the child was written with.
 async fn reconciled_by_install(cp: &ControlPlane, namespace: &str, rate: u32) -> u64 {
+    let (token, mut operator) = launched_and_reconciled(cp, namespace, rate).await;
+    assert_eq!(operator.stop().map(|s| s.success()), Some(true), "the replica did not exit cleanly");
+    token
+}
+
+/// [`reconciled_by_install`], leaving the replica running.
+async fn launched_and_reconciled(cp: &ControlPlane, namespace: &str, rate: u32) -> (u64, Operator) {
     let identity = cp.identity(namespace, "traffic-policy-operator", &[]).await.unwrap();
     let args = [format!("--namespace={namespace}")];
-    let mut operator = Operator::launch(cp, &identity, &format!("reinstalled-{namespace}"), &args).await;
+    let operator = Operator::launch(cp, &identity, &format!("reinstalled-{namespace}"), &args).await;
     let client = cp.client().await.unwrap();
     let policies = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), TENANT);
     let patch = serde_json::json!({"spec": {"rateLimit": {"requestsPerSecond": rate}}});
@@ -58,8 +69,13 @@ async fn reconciled_by_install(cp: &ControlPlane, namespace: &str, rate: u32) ->
         }
     })
     .await;
-    assert_eq!(operator.stop().map(|s| s.success()), Some(true), "the replica did not exit cleanly");
-    token
+    (token, operator)
+}
+
+/// The generation floor on the CRD, if it has one.
+async fn floor(client: &Client) -> Option<u64> {
+    let crd = Api::<CustomResourceDefinition>::all(client.clone()).get(CRD).await.unwrap();
+    crd.annotations().get(FLOOR_ANNOTATION).map(|v| v.parse().unwrap())
 }
 
 /// Deletes an install as its user would, and checks that the CRD, the policy and its
@@ -69,7 +85,7 @@ async fn kept_after(cp: &ControlPlane, before: &[String; 3], uninstall: impl FnO
     assert!(ok, "uninstall failed: {out}{err}");
     let client = cp.client().await.unwrap();
     let crds = Api::<CustomResourceDefinition>::all(client.clone());
-    assert!(crds.get_opt("applicationtrafficpolicies.trafficpolicy.dev").await.unwrap().is_some(), "CRD deleted");
+    assert!(crds.get_opt(CRD).await.unwrap().is_some(), "CRD deleted");
     assert_eq!(&declared(&client).await, before, "the policy or a child was deleted or replaced");
 }
 
@@ -128,5 +144,29 @@ async fn an_uninstall_keeps_the_policies_and_a_reinstall_reconciles_them() {
         other => panic!("the admin set a fencing token in the namespace-moved install: {other:?}"),
     }
     kept_after(&cp, &objects, || kubectl(&cp, &["delete", "-k", &dir, "--wait=true"])).await;
-    println!("policy and children kept across four uninstalls; tokens {first} -> {second} -> {third} -> {fourth}");
+
+    // The CRD replaced from git while no install runs: the floor is gone, and the children
+    // keep tokens above anything a new install starts from. The fencing policy refuses its
+    // first writes; the replica reports the stored token, and the leader grants above it.
+    let (ok, _, err) = kubectl(&cp, &["replace", "-f", "crds/"]);
+    assert!(ok, "{err}");
+    assert_eq!(floor(&client).await, None, "the replace kept the floor");
+    let dir = crate::namespace_over("deploy/", "platform-five");
+    let (ok, _, err) = kubectl(&cp, &["apply", "-k", &dir]);
+    assert!(ok, "{err}");
+    let (fifth, mut operator) = launched_and_reconciled(&cp, "platform-five", 105).await;
+    assert!(fifth > fourth, "after the floor was lost, the install wrote with token {fifth}, below {fourth}");
+    // Replaced again while the install runs: its leader writes its reservation back.
+    let (ok, _, err) = kubectl(&cp, &["replace", "-f", "crds/"]);
+    assert!(ok, "{err}");
+    eventually_within(Duration::from_secs(60), "the leader writes the floor back", || async {
+        floor(&client).await.filter(|f| *f >= fifth)
+    })
+    .await;
+    assert_eq!(operator.stop().map(|s| s.success()), Some(true), "the replica did not exit cleanly");
+    kept_after(&cp, &objects, || kubectl(&cp, &["delete", "-k", &dir, "--wait=true"])).await;
+    println!(
+        "policy and children kept across five uninstalls and a lost floor; tokens {first} -> {second} -> {third} -> \
+         {fourth} -> {fifth}"
+    );
 }

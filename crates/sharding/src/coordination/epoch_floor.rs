@@ -8,8 +8,18 @@
 //! leader therefore reserves generations on the CRD in blocks before it publishes one of
 //! them, and an assignment published anew starts above the reservation: above every token
 //! any install of the program can have written. One write per [`BLOCK`] generations.
+//!
+//! Admins lose the annotation: `kubectl replace -f` of the CRD from git, a GitOps sync that
+//! replaces, a restore. While it leads, the leader writes its reservation back within
+//! [`RECHECK`] ([`EpochFloor::keep`]). Lost while no install runs, the floor restarts low,
+//! and the fencing policy refuses the first writes below the tokens stored; the replicas
+//! report those tokens, and the leader grants above them (`assignment::starting_point`). A
+//! value that is not a number counts as lost the same way, rather than stop every failover.
 
 use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams};
@@ -17,6 +27,9 @@ use kube::{Client, ResourceExt};
 
 /// How many generations one write of the reservation covers.
 pub const BLOCK: u64 = 1000;
+
+/// How often a leader checks that its reservation is still on the CRD.
+pub const RECHECK: Duration = Duration::from_secs(30);
 
 /// The first generation never granted: 10^18, the smallest of 19 digits. A fencing token is
 /// 1 to 18 digits, which a CEL int holds and the fencing policy parses; it refuses a longer
@@ -31,8 +44,6 @@ pub enum FloorError {
          patch on it): {source}"
     )]
     Api { object: String, source: Box<kube::Error> },
-    #[error("the generation floor on CustomResourceDefinition {0} is not a number")]
-    Malformed(String),
     #[error(
         "generation {generation} is past the last fencing epoch ({}): the floor on CustomResourceDefinition {object} \
          leaves no epoch to grant",
@@ -57,12 +68,20 @@ pub struct EpochFloor {
     annotation: &'static str,
     /// The reservation as last read or written; `None` until first read.
     reserved: Mutex<Option<u64>>,
+    /// When [`Self::keep`] last read the CRD.
+    kept_at: Mutex<Option<Instant>>,
 }
 
 impl EpochFloor {
     /// The floor kept on CRD `object`, in its `annotation`.
     pub fn new(client: Client, object: &str, annotation: &'static str) -> Self {
-        Self { crds: Api::all(client), object: object.to_string(), annotation, reserved: Mutex::new(None) }
+        Self {
+            crds: Api::all(client),
+            object: object.to_string(),
+            annotation,
+            reserved: Mutex::new(None),
+            kept_at: Mutex::new(None),
+        }
     }
 
     /// The highest generation reserved so far, by any install.
@@ -83,7 +102,7 @@ impl EpochFloor {
                 return Ok(());
             }
             let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
-            let stored = self.parse(&crd)?;
+            let stored = self.parse(&crd);
             let next = next_reservation(stored, generation, &self.object)?;
             // The resourceVersion makes this a compare-and-swap: two leaders at once never lower it.
             let patch = serde_json::json!({
@@ -107,9 +126,35 @@ impl EpochFloor {
         }
     }
 
+    /// Writes our reservation back if the CRD lost or lowered it; reads the CRD at most once
+    /// per [`RECHECK`]. The leader calls it while it leads.
+    pub async fn keep(&self) -> Result<(), FloorError> {
+        {
+            let mut kept_at = self.kept_at.lock().unwrap_or_else(|p| p.into_inner());
+            if kept_at.is_some_and(|t| t.elapsed() < RECHECK) {
+                return Ok(());
+            }
+            *kept_at = Some(Instant::now());
+        }
+        let Some(ours) = *self.lock() else { return Ok(()) };
+        let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
+        let stored = self.parse(&crd);
+        if stored >= ours {
+            return Ok(());
+        }
+        tracing::warn!(
+            stored,
+            reserved = ours,
+            object = %self.object,
+            "the generation floor on the CRD was removed or lowered (a replace or a restore); writing it back"
+        );
+        *self.lock() = None;
+        self.reserve(ours).await
+    }
+
     async fn read(&self) -> Result<u64, FloorError> {
         let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
-        let reserved = self.parse(&crd)?;
+        let reserved = self.parse(&crd);
         *self.lock() = Some(reserved);
         Ok(reserved)
     }
@@ -122,11 +167,20 @@ impl EpochFloor {
         self.reserved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn parse(&self, crd: &CustomResourceDefinition) -> Result<u64, FloorError> {
-        match crd.annotations().get(self.annotation) {
-            None => Ok(0),
-            Some(value) => value.parse().map_err(|_| FloorError::Malformed(self.object.clone())),
+    /// The stored reservation; one that is not a number counts as none (see the module's doc).
+    fn parse(&self, crd: &CustomResourceDefinition) -> u64 {
+        let value = crd.annotations().get(self.annotation);
+        let parsed = value.map(|v| v.parse::<u64>());
+        if let Some(Err(_)) = parsed {
+            tracing::warn!(
+                value = value.map(String::as_str),
+                object = %self.object,
+                annotation = self.annotation,
+                "the generation floor is not a number; counting it as lost (writes below a stored token are \
+                 refused and raise it again)"
+            );
         }
+        parsed.and_then(Result::ok).unwrap_or(0)
     }
 }
 

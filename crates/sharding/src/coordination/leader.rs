@@ -163,6 +163,9 @@ impl Leader {
                 }
                 self.publish(None).await;
                 self.collect_abandoned().await;
+                if let Err(error) = self.floor.keep().await {
+                    tracing::warn!(%error, "could not check the generation floor");
+                }
             } else if was_leading {
                 tracing::info!("no longer the leader");
                 if let Some(stop_duties) = duties.take() {

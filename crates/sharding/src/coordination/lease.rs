@@ -224,7 +224,7 @@ impl MemberLease {
         if ack > 0 {
             annotations.insert(names.ack_annotation.into(), ack.to_string());
         }
-        let seen = self.ownership.generation();
+        let seen = self.ownership.seen();
         if seen > 0 {
             annotations.insert(names.seen_annotation.into(), seen.to_string());
         }

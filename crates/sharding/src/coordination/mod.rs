@@ -50,7 +50,8 @@ pub use tasks::Coordination;
 pub const READS_SPLIT_RANGES: &str = "split";
 
 /// What the failing fencing check says when it refuses a write (the program's admission
-/// policy must say it): `refused a write with shard epoch`.
+/// policy must say it): `refused a write with shard epoch`, best followed by `E over the
+/// stored N`, so that a stored token above every generation reaches the leader.
 pub const FENCED_MESSAGE: &str = "refused a write with shard epoch";
 
 /// The names of the coordination objects, labels and annotations, made from the program's

@@ -7,6 +7,7 @@
 //! the clock when it resumes.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,6 +28,8 @@ pub struct Ownership {
     changed: watch::Sender<u64>,
     write_bound: Duration,
     mode: Mode,
+    /// The highest fencing token found stored on an object (in a refusal of our write).
+    token_found: AtomicU64,
 }
 
 impl Ownership {
@@ -34,7 +37,7 @@ impl Ownership {
     pub fn new(incarnation: &str, mode: Mode, renew_deadline: Duration, write_bound: Duration) -> Arc<Self> {
         let (changed, _) = watch::channel(0);
         let slice = Mutex::new(Slice::new(incarnation, mode, renew_deadline));
-        Arc::new(Self { slice, changed, write_bound, mode })
+        Arc::new(Self { slice, changed, write_bound, mode, token_found: AtomicU64::new(0) })
     }
 
     /// How this process computes buckets.
@@ -105,6 +108,30 @@ impl Ownership {
     /// The generation of the assignment applied last.
     pub fn generation(&self) -> u64 {
         self.lock().generation()
+    }
+
+    /// The highest generation we know was granted: the assignment's, or a token found on an
+    /// object, whichever is higher. The member Lease advertises it, and a leader that knows
+    /// less revokes every bucket and grants above it (`assignment::starting_point`). A token
+    /// above every generation the leader knows means the floor on the CRD was lost (a
+    /// `kubectl replace`, a restore) or another install wrote: either way no epoch of ours
+    /// below it can write that object again.
+    pub fn seen(&self) -> u64 {
+        self.generation().max(self.token_found.load(Ordering::Relaxed))
+    }
+
+    /// A write was refused because the object holds fencing token `token`.
+    pub fn found_token(&self, token: u64) {
+        let generation = self.generation();
+        let before = self.token_found.fetch_max(token, Ordering::Relaxed);
+        if token > generation && token > before {
+            tracing::warn!(
+                token,
+                generation,
+                "an object holds a fencing token above the assignment's generation (a lost generation floor, or \
+                 another install); telling the leader, which revokes every bucket and grants above it"
+            );
+        }
     }
 
     /// The generation of the assignment we follow, what it gives us and how buckets are
@@ -189,6 +216,11 @@ impl InFlight {
     /// The longest one write may take (client and server side).
     pub fn write_bound(&self) -> Duration {
         self.ownership.write_bound
+    }
+
+    /// A write of this bucket was refused because the object holds fencing token `token`.
+    pub fn found_token(&self, token: u64) {
+        self.ownership.found_token(token);
     }
 
     /// A write sent at `sent` was given up unanswered: the server may have received it just

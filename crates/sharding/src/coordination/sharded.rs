@@ -126,9 +126,15 @@ impl WriteGate for ShardGate<'_> {
         annotations.insert(self.names.fence_annotation.into(), permit.token.to_string());
     }
 
-    /// The fencing policy refused the write: a newer owner has written since.
+    /// The fencing policy refused the write: a newer owner has written since. The token it
+    /// names goes to [`Ownership::seen`], so that a token above every generation we know (a
+    /// lost floor) reaches the leader.
     fn is_fenced(&self, refusal: &Status) -> bool {
-        refusal.message.contains(FENCED_MESSAGE)
+        let fenced = refusal.message.contains(FENCED_MESSAGE);
+        if let Some(token) = stored_token(&refusal.message).filter(|_| fenced) {
+            self.in_flight.found_token(token);
+        }
+        fenced
     }
 
     /// Children carry their bucket label only where watches select by it.
@@ -138,6 +144,13 @@ impl WriteGate for ShardGate<'_> {
             Mode::ShardSelector => Vec::new(),
         }
     }
+}
+
+/// The stored token a fencing refusal names (see [`FENCED_MESSAGE`]): `… over the stored N`.
+fn stored_token(message: &str) -> Option<u64> {
+    let (_, after) = message.split_once(" over the stored ")?;
+    let digits = after.find(|c: char| !c.is_ascii_digit()).map_or(after, |end| &after[..end]);
+    digits.parse().ok()
 }
 
 #[cfg(test)]
@@ -159,5 +172,18 @@ mod tests {
         let selected = slice_selector(&ids, "", &BTreeSet::from([ids.id(changed)]));
         let expected = shard_range::selector(&split, &BTreeSet::from([changed])).map(SliceSelector::Shards);
         assert_eq!(selected, expected);
+    }
+
+    #[test]
+    fn the_stored_token_is_read_from_the_fencing_refusal() {
+        let refusal = "trafficpolicy.dev-fencing: refused a write with shard epoch 1 over the stored 3006: a newer \
+                       owner of the bucket has written since";
+        assert_eq!(stored_token(refusal), Some(3006));
+        assert_eq!(
+            stored_token("refused a write with shard epoch 1 over the stored 999999999999999999"),
+            Some(999_999_999_999_999_999)
+        );
+        assert_eq!(stored_token("may not set, change or remove it (absent -> 5)"), None);
+        assert_eq!(stored_token("over the stored x"), None);
     }
 }
