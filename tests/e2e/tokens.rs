@@ -163,6 +163,36 @@ async fn a_token_above_every_generation_is_reported_and_granted_above() {
     assert_eq!(ingress[0].ports.as_ref().unwrap()[0].port, Some(IntOrString::Int(9090)), "the new spec took effect");
 }
 
+/// Two status writes of one epoch cannot be ordered by their token, so the fencing policy also
+/// refuses one that reports an older generation than the stored status: a write delivered late
+/// (answered 504 and applied afterwards) cannot undo a newer one of the same owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_write_of_one_epoch_for_an_older_generation_is_refused() {
+    let env = TestEnv::new("e2e-tokens-order").await;
+    env.operator_identity("operator", None).await;
+    env.api::<ApplicationTrafficPolicy>().create(&PostParams::default(), &policy("web", 8080)).await.unwrap();
+    let operator_identity = format!("system:serviceaccount:{}:operator", env.namespace);
+    let as_operator = Api::<ApplicationTrafficPolicy>::namespaced(
+        env.cp.client_as(&operator_identity).await.unwrap(),
+        &env.namespace,
+    );
+    let write = |epoch: u64, generation: i64| {
+        let status = Patch::Merge(json!({ "status": { "shardEpoch": epoch, "observedGeneration": generation } }));
+        let as_operator = as_operator.clone();
+        async move { as_operator.patch_status("web", &PatchParams::default(), &status).await }
+    };
+    write(7, 3).await.expect("the operator's status write");
+    let message = refused("a status write of the same epoch for an older generation", write(7, 2).await);
+    assert!(message.contains("trafficpolicy.dev-fencing: refused a status write for generation 2"), "{message}");
+    assert!(message.contains("under the stored generation 3 at the same shard epoch 7"), "{message}");
+    let stored = env.api::<ApplicationTrafficPolicy>().get("web").await.unwrap().status.unwrap();
+    assert_eq!(stored.observed_generation, Some(3), "the refused write changed the status");
+    // The same generation again, a newer one, and a new owner's first word (a higher epoch) pass.
+    write(7, 3).await.expect("the same generation again");
+    write(7, 4).await.expect("a newer generation");
+    write(8, 2).await.expect("a higher epoch");
+}
+
 /// The epoch space has two ends, both held: the largest epoch (18 digits) fences a lower
 /// one, and a longer token is refused, not read as no token, which would let any later
 /// write through.
