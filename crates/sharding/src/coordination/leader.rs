@@ -246,6 +246,15 @@ impl Leader {
         // If a member saw a newer assignment than the ConfigMap holds, what it gave to whom is
         // lost; the write's precondition fails if the ConfigMap holds one we have yet to see.
         let seen = self.members.with(|t| t.highest_generation());
+        let known_generation = known.as_ref().map_or(0, |k| k.generation);
+        if seen > known_generation {
+            tracing::warn!(
+                seen,
+                known = known_generation,
+                "a member saw a generation, or a fencing token on an object, above every one we know (a lost \
+                 assignment or generation floor): revoking every bucket before granting any"
+            );
+        }
         let mut current = starting_point(known, republish, reserved, seen, mode);
         self.track_revocations(&current, now);
         self.confirm_silent(&current, now).await;

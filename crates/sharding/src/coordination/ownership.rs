@@ -124,12 +124,12 @@ impl Ownership {
     pub fn found_token(&self, token: u64) {
         let generation = self.generation();
         let before = self.token_found.fetch_max(token, Ordering::Relaxed);
+        // Also a deposed owner's, whose view lags its successor's epoch: the leader judges.
         if token > generation && token > before {
-            tracing::warn!(
+            tracing::info!(
                 token,
                 generation,
-                "an object holds a fencing token above the assignment's generation (a lost generation floor, or \
-                 another install); telling the leader, which revokes every bucket and grants above it"
+                "an object holds a fencing token above the assignment's generation we follow; telling the leader"
             );
         }
     }
