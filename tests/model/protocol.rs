@@ -8,7 +8,7 @@ use std::time::Duration;
 use stateright::{Model, Property};
 use traffic_policy_operator::coordination::published::Published;
 use traffic_policy_operator::sharding::assignment::{
-    DrainFacts, Slot, Wanted, may_reassign, next_assignment, starting_point, track_revocations,
+    DrainFacts, Slot, Wanted, may_reassign, must_republish, next_assignment, starting_point, track_revocations,
 };
 use traffic_policy_operator::sharding::bucket::Mode;
 use traffic_policy_operator::sharding::membership::{Capability, LeaseState, Liveness, pod_of};
@@ -152,8 +152,11 @@ impl Protocol {
             Some(v) => (Some(v.stored.full()), v.resource_version.clone(), v.republish),
             None => (None, None, true),
         };
+        let seen = leader.table.highest_generation();
+        let copy_stored = republish;
+        let republish = must_republish(republish, known.as_ref().map_or(0, |k| k.generation), seen);
         let reserved = if republish && self.floor { state.floor } else { 0 };
-        let current = starting_point(known, republish, reserved, leader.table.highest_generation(), MODE);
+        let current = starting_point(known, republish, reserved, seen, MODE);
         track_revocations(&mut leader.known_since, &current, local);
         // Leader::confirm_silent: a quorum read of the member's Lease.
         if let Slot::Draining { from, since } = &current.slots[usize::from(tracked())]
@@ -193,7 +196,7 @@ impl Protocol {
             return;
         }
         state.versions += 1;
-        let overwrote_copy = republish && version.is_some();
+        let overwrote_copy = copy_stored && version.is_some();
         state.stored = Some((state.versions, next.clone()));
         if let Slot::Owned { member, epoch } = &next.slot
             && state.granted.as_ref().is_none_or(|(m, e)| m != member || e != epoch)

@@ -416,6 +416,15 @@ pub fn starting_point(known: Option<Assignment>, republish: bool, reserved: u64,
     current
 }
 
+/// Whether the leader must write the assignment anew: the ConfigMap was lost or holds an
+/// older copy (`republish`), or a member saw a generation above the `known` one. Then the
+/// revocation [`starting_point`] starts from is written before anything is granted, so
+/// every member stops before its buckets go to anyone (a revocation's clock runs from its
+/// write, see [`may_reassign`]).
+pub fn must_republish(republish: bool, known: u64, seen: u64) -> bool {
+    republish || seen > known
+}
+
 /// The leader's next assignment from `current`: the moves [`plan`] makes, or, when the
 /// ConfigMap must be written anew and nothing moves, what we know under a new generation.
 pub fn next_assignment(

@@ -263,3 +263,22 @@ fn a_leader_that_knows_less_than_its_members_revokes_before_it_grants() {
     let fresh = starting_point(None, true, 1007, 0, Mode::Labels);
     assert!(fresh.generation == 1007 && fresh.slots.iter().all(|s| *s == Slot::Free), "a first install");
 }
+
+#[test]
+fn a_revocation_after_a_loss_is_published_before_any_grant() {
+    let members = set(&["a", "b"]);
+    let settled = plan(&Assignment::default(), &members, &never, None).unwrap();
+    let known = Assignment { generation: 7, ..settled };
+    // The ConfigMap intact, a member reporting a token of generation 9000 (a lost floor).
+    let republish = must_republish(false, known.generation, 9000);
+    assert!(republish, "what members hold is unknown: the revocation must be written");
+    let current = starting_point(Some(known.clone()), republish, 0, 9000, Mode::Labels);
+    let wanted = Wanted::of(&current, &members, &Default::default(), None);
+    let published = next_assignment(&current, &members, wanted, &never, republish).expect("a revocation to write");
+    assert!(published.generation > 9000);
+    assert!(
+        published.slots.iter().all(|s| matches!(s, Slot::Draining { from, .. } if from == UNKNOWN_OWNER)),
+        "granted before the revocation was written: {published:?}"
+    );
+    assert!(!must_republish(false, 9000, 9000), "nothing lost, nothing written anew");
+}

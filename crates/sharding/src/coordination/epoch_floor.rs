@@ -70,6 +70,9 @@ pub struct EpochFloor {
     reserved: Mutex<Option<u64>>,
     /// When [`Self::keep`] last read the CRD.
     kept_at: Mutex<Option<Instant>>,
+    /// The highest reservation this process wrote or read: what [`Self::keep`] restores.
+    /// Unlike `reserved`, a read of a lowered floor never lowers it.
+    high_water: Mutex<u64>,
 }
 
 impl EpochFloor {
@@ -81,6 +84,7 @@ impl EpochFloor {
             annotation,
             reserved: Mutex::new(None),
             kept_at: Mutex::new(None),
+            high_water: Mutex::new(0),
         }
     }
 
@@ -114,7 +118,7 @@ impl EpochFloor {
             match self.crds.patch(&self.object, &PatchParams::default(), &Patch::Merge(&patch)).await {
                 Ok(_) => {
                     tracing::info!(reserved = next, "reserved assignment generations");
-                    *self.lock() = Some(next);
+                    self.cache(next);
                 }
                 Err(kube::Error::Api(status)) if status.code == 409 => *self.lock() = None,
                 Err(source) => return Err(self.api_error(source)),
@@ -126,9 +130,10 @@ impl EpochFloor {
         }
     }
 
-    /// Writes our reservation back if the CRD lost or lowered it; reads the CRD at most once
-    /// per [`RECHECK`]. The leader calls it while it leads.
-    pub async fn keep(&self) -> Result<(), FloorError> {
+    /// Writes our reservation back if the CRD lost or lowered it, and at least `known`, the
+    /// generation of the assignment the leader knows; reads the CRD at most once per
+    /// [`RECHECK`]. The leader calls it while it leads.
+    pub async fn keep(&self, known: u64) -> Result<(), FloorError> {
         {
             let mut kept_at = self.kept_at.lock().unwrap_or_else(|p| p.into_inner());
             if kept_at.is_some_and(|t| t.elapsed() < RECHECK) {
@@ -136,7 +141,10 @@ impl EpochFloor {
             }
             *kept_at = Some(Instant::now());
         }
-        let Some(ours) = *self.lock() else { return Ok(()) };
+        let ours = known.max(*self.lock_high_water());
+        if ours == 0 {
+            return Ok(());
+        }
         let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
         let stored = self.parse(&crd);
         if stored >= ours {
@@ -152,10 +160,21 @@ impl EpochFloor {
         self.reserve(ours).await
     }
 
+    fn lock_high_water(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.high_water.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Caches `reserved` as the CRD's reservation now (read or written).
+    fn cache(&self, reserved: u64) {
+        *self.lock() = Some(reserved);
+        let mut high_water = self.lock_high_water();
+        *high_water = (*high_water).max(reserved);
+    }
+
     async fn read(&self) -> Result<u64, FloorError> {
         let crd = self.crds.get(&self.object).await.map_err(|source| self.api_error(source))?;
         let reserved = self.parse(&crd);
-        *self.lock() = Some(reserved);
+        self.cache(reserved);
         Ok(reserved)
     }
 

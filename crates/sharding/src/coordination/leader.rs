@@ -34,8 +34,8 @@ use super::ownership::Ownership;
 use super::published::AssignmentView;
 use super::{Replica, ShardConfig};
 use crate::assignment::{
-    Assignment, DrainFacts, Slot, may_reassign, next_assignment, starting_point, track_revocations, vacate,
-    vacate_buckets,
+    Assignment, DrainFacts, Slot, may_reassign, must_republish, next_assignment, starting_point, track_revocations,
+    vacate, vacate_buckets,
 };
 use crate::balance::{self, Steadiness};
 use crate::bucket::Mode;
@@ -91,6 +91,8 @@ pub struct Leader {
     idle_logged: Mutex<BTreeMap<String, String>>,
     /// Our own count of every bucket's objects, while members advertise capacities.
     census: Arc<Census>,
+    /// The (seen, known) generations of the last loss logged.
+    loss_logged: Mutex<(u64, u64)>,
 }
 
 impl Leader {
@@ -118,6 +120,7 @@ impl Leader {
             last_planned: Mutex::default(),
             steadiness: Mutex::default(),
             idle_logged: Mutex::default(),
+            loss_logged: Mutex::default(),
         }
     }
 
@@ -163,8 +166,11 @@ impl Leader {
                 }
                 self.publish(None).await;
                 self.collect_abandoned().await;
-                if let Err(error) = self.floor.keep().await {
-                    tracing::warn!(%error, "could not check the generation floor");
+                let known = self.view.get().map_or(0, |p| p.assignment.generation);
+                match tokio::time::timeout(self.config.renew_deadline, self.floor.keep(known)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => tracing::warn!(%error, "could not check the generation floor"),
+                    Err(_) => tracing::warn!("checking the generation floor timed out"),
                 }
             } else if was_leading {
                 tracing::info!("no longer the leader");
@@ -232,6 +238,13 @@ impl Leader {
             Some(p) => (Some(p.assignment), p.resource_version, p.republish),
             None => (None, None, true),
         };
+        // If a member saw a newer generation than we know (a newer assignment than the
+        // ConfigMap holds, or a token above every generation), what it gave to whom is lost;
+        // the write's precondition fails if the ConfigMap holds one we have yet to see.
+        let seen = self.members.with(|t| t.highest_generation());
+        let known_generation = known.as_ref().map_or(0, |k| k.generation);
+        self.log_loss(seen, known_generation);
+        let republish = must_republish(republish, known_generation, seen);
         // Published anew, an assignment starts above every generation any install reserved.
         let reserved = match republish {
             true => match self.floor.reserved().await {
@@ -243,18 +256,6 @@ impl Leader {
             },
             false => 0,
         };
-        // If a member saw a newer assignment than the ConfigMap holds, what it gave to whom is
-        // lost; the write's precondition fails if the ConfigMap holds one we have yet to see.
-        let seen = self.members.with(|t| t.highest_generation());
-        let known_generation = known.as_ref().map_or(0, |k| k.generation);
-        if seen > known_generation {
-            tracing::warn!(
-                seen,
-                known = known_generation,
-                "a member saw a generation, or a fencing token on an object, above every one we know (a lost \
-                 assignment or generation floor): revoking every bucket before granting any"
-            );
-        }
         let mut current = starting_point(known, republish, reserved, seen, mode);
         self.track_revocations(&current, now);
         self.confirm_silent(&current, now).await;
@@ -406,6 +407,20 @@ impl Leader {
                     self.lock_confirmed().insert((from, since));
                 }
             }
+        }
+    }
+
+    /// Says once per pair why every bucket is revoked: a member saw more than we know.
+    fn log_loss(&self, seen: u64, known: u64) {
+        let mut logged = self.loss_logged.lock().unwrap_or_else(|p| p.into_inner());
+        if seen > known && *logged != (seen, known) {
+            *logged = (seen, known);
+            tracing::warn!(
+                seen,
+                known,
+                "a member saw a generation, or a fencing token on an object, above every one we know (a lost \
+                 assignment or generation floor): revoking every bucket before granting any"
+            );
         }
     }
 

@@ -15,6 +15,7 @@ use kube::api::ObjectMeta;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::epoch_floor::{BLOCK, EPOCH_LIMIT};
 use super::metrics as m;
 use crate::assignment::{Assignment, Epoch};
 use crate::bucket::{Bucket, Mode};
@@ -120,8 +121,17 @@ impl Ownership {
         self.generation().max(self.token_found.load(Ordering::Relaxed))
     }
 
-    /// A write was refused because the object holds fencing token `token`.
+    /// A write was refused because the object holds fencing token `token`. A token within a
+    /// block of the end of the epoch space is not taken as seen: granting above it would leave
+    /// no epoch for any later failover, so it stays a conflict of that object alone.
     pub fn found_token(&self, token: u64) {
+        if token >= EPOCH_LIMIT - BLOCK {
+            tracing::warn!(
+                token,
+                "an object holds a fencing token at the end of the epoch space; not granting above it"
+            );
+            return;
+        }
         let generation = self.generation();
         let before = self.token_found.fetch_max(token, Ordering::Relaxed);
         // Also a deposed owner's, whose view lags its successor's epoch: the leader judges.
