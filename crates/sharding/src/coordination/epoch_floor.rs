@@ -156,7 +156,8 @@ impl EpochFloor {
             object = %self.object,
             "the generation floor on the CRD was removed or lowered (a replace or a restore); writing it back"
         );
-        *self.lock() = None;
+        // What we just read is the reservation now: `reserve` reads the CRD only to write it.
+        self.cache(stored);
         self.reserve(ours).await
     }
 

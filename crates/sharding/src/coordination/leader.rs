@@ -166,7 +166,7 @@ impl Leader {
                 }
                 self.publish(None).await;
                 self.collect_abandoned().await;
-                let known = self.view.get().map_or(0, |p| p.assignment.generation);
+                let known = self.ownership.generation();
                 match tokio::time::timeout(self.config.renew_deadline, self.floor.keep(known)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => tracing::warn!(%error, "could not check the generation floor"),

@@ -131,7 +131,7 @@ impl WriteGate for ShardGate<'_> {
     /// lost floor) reaches the leader.
     fn is_fenced(&self, refusal: &Status) -> bool {
         let fenced = refusal.message.contains(FENCED_MESSAGE);
-        if let Some(token) = stored_token(&refusal.message).filter(|_| fenced) {
+        if fenced && let Some(token) = stored_token(&refusal.message) {
             self.in_flight.found_token(token);
         }
         fenced
