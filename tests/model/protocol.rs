@@ -8,10 +8,12 @@ use std::time::Duration;
 use stateright::{Model, Property};
 use traffic_policy_operator::coordination::published::Published;
 use traffic_policy_operator::sharding::assignment::{
-    DrainFacts, Slot, Wanted, may_reassign, must_republish, next_assignment, starting_point, track_revocations,
+    Assignment, Capacities, DrainFacts, Slot, may_reassign, must_republish, starting_point, track_revocations,
 };
 use traffic_policy_operator::sharding::bucket::Mode;
+use traffic_policy_operator::sharding::hash_ranges::Ranges;
 use traffic_policy_operator::sharding::membership::{Capability, LeaseState, Liveness, pod_of};
+use traffic_policy_operator::sharding::planning::{self, Inputs};
 
 use crate::clock::{Clock, SECOND, last_instant};
 use crate::processes::{Leader, Lease, Member, Run, Stored, View, tracked};
@@ -31,6 +33,7 @@ const FLOOR_BLOCK: u64 = 1000;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Write {
     member: usize,
+    writer: String,
     epoch: u64,
     sent: u64,
     /// The last real instant it may land: its bound by the writer's clock (the client's
@@ -74,6 +77,11 @@ pub enum Action {
     Crash(usize),
     Pause(usize),
     CutOff(usize),
+    /// A member's pod is replaced by one in the other mode, a new incarnation, as a rolling
+    /// update does: the old one drained (nothing of it in flight) and released its Lease.
+    RemodeMember(usize),
+    /// The leader restarts in the other mode.
+    RemodeLeader(usize),
     DeleteAssignment,
     SaveCopy,
     RestoreCopy,
@@ -91,6 +99,11 @@ pub enum Faults {
     Reinstall,
     /// A member's renewals fail from some instant on while its writes still land.
     CutOff,
+    /// A rolling update to the other sharding mode, once an assignment is published: each
+    /// member restarts in it, `b` before `a` (a StatefulSet replaces the highest ordinal
+    /// first), and the leader at any point of that order, each at any of the first seconds.
+    /// (A member killed instead is the `Members` fault.)
+    ModeChange,
 }
 
 pub struct Protocol {
@@ -105,13 +118,16 @@ pub struct Protocol {
     /// Clocks run fast or slow by this much (see `clocks`). Zero: clocks keep real time, and
     /// processes act at whole seconds only.
     pub drift_ppm: i64,
+    /// Whether a leader of one mode reads an assignment of the other as of that mode (true),
+    /// or as of its own, as a leader that ignored the mode would (broken).
+    pub modes_kept: bool,
 }
 
 impl Protocol {
     /// Writes may land within the whole margin between lease duration and renew deadline.
     pub fn correct(leaders: usize, faults: Faults) -> Self {
         let landing_bound = LEASE - RENEW_DEADLINE;
-        Self { leaders, faults, release: may_reassign, floor: true, landing_bound, drift_ppm: 0 }
+        Self { leaders, faults, release: may_reassign, floor: true, landing_bound, drift_ppm: 0, modes_kept: true }
     }
 
     /// The clocks of the members and then the leaders. With drift, two worlds: members slow
@@ -126,6 +142,7 @@ impl Protocol {
     }
 
     fn lease_state(lease: &Lease) -> LeaseState {
+        let mode = lease.mode.as_str().into();
         LeaseState {
             holder: Some(lease.holder.clone()),
             renew_marker: Some(lease.renewed.to_string()),
@@ -135,7 +152,7 @@ impl Protocol {
             uid: Some(format!("uid-{}", pod_of(&lease.holder))),
             load: None,
             capability: Some(Capability {
-                mode: MODE.as_str().into(),
+                mode,
                 version: "model".into(),
                 not_working: None,
                 capacity: None,
@@ -156,10 +173,14 @@ impl Protocol {
         let copy_stored = republish;
         let republish = must_republish(republish, known.as_ref().map_or(0, |k| k.generation), seen);
         let reserved = if republish && self.floor { state.floor } else { 0 };
-        let current = starting_point(known, republish, reserved, seen, MODE);
+        let mode = leader.mode;
+        let mut current = starting_point(known, republish, reserved, seen, mode);
+        if !self.modes_kept {
+            current = Assignment { mode, ..current };
+        }
         track_revocations(&mut leader.known_since, &current, local);
         // Leader::confirm_silent: a quorum read of the member's Lease.
-        if let Slot::Draining { from, since } = &current.slots[usize::from(tracked())]
+        if let Slot::Draining { from, since } = &current.slots[usize::from(tracked(current.mode))]
             && let Some(marker) = leader.table.silent(from, now)
             && let Some(lease) = state.leases.get(pod_of(from))
             && lease.holder == *from
@@ -167,7 +188,7 @@ impl Protocol {
         {
             leader.confirmed_silent.insert((from.clone(), *since));
         }
-        let receivers = leader.table.receivers(None, MODE.as_str(), now);
+        let receivers = leader.table.receivers(None, mode.as_str(), now);
         let release = |from: &str, since: u64| {
             let facts = DrainFacts {
                 acked: leader.table.acked_generation(from),
@@ -178,13 +199,22 @@ impl Protocol {
             };
             (self.release)(since, facts)
         };
-        let wanted = Wanted::of(&current, &receivers, &Default::default(), None);
-        let Some(next) = next_assignment(&current, &receivers, wanted, &release, republish) else {
-            return;
-        };
+        let stored_before = Stored::of(&current);
+        let plan = planning::plan(Inputs {
+            current,
+            republish,
+            mode,
+            receivers: &receivers,
+            ranges: Ranges::default(),
+            census: None,
+            capacities: &Capacities::new(),
+            rebalanced: None,
+            release: &release,
+        });
+        let Some(next) = plan.into_next() else { return };
         let next = Stored::of(&next);
         // The untracked buckets are free in the model: publish only what moves the tracked one.
-        if !republish && next.slot == Stored::of(&current).slot {
+        if !republish && (next.mode, &next.slot) == (stored_before.mode, &stored_before.slot) {
             return;
         }
         // EpochFloor::reserve, then the write with its precondition.
@@ -226,14 +256,13 @@ impl Protocol {
             return None;
         }
         let (now, end) = (state.now, state.now - state.now % SECOND + SECOND - 1);
-        let rights = state
-            .members
-            .iter()
-            .filter(|m| matches!(m.run, Run::Running | Run::CutOff))
-            .filter_map(|m| last_instant(now, end, |real| m.slice.permit(tracked(), m.clock.read(real)).is_some()));
+        let rights =
+            state.members.iter().filter(|m| matches!(m.run, Run::Running | Run::CutOff)).filter_map(|m| {
+                last_instant(now, end, |real| m.slice.permit(m.bucket(), m.clock.read(real)).is_some())
+            });
         let leaders = state.leaders.iter().filter_map(|l| {
-            let inputs = l.timed_inputs(now);
-            last_instant(now, end, |real| l.timed_inputs(real) == inputs).map(|last| last + 1)
+            let inputs = l.timed_inputs(now, &state.members);
+            last_instant(now, end, |real| l.timed_inputs(real, &state.members) == inputs).map(|last| last + 1)
         });
         rights.chain(leaders).filter(|t| *t > now && *t <= end).min()
     }
@@ -251,9 +280,9 @@ impl Model for Protocol {
     fn init_states(&self) -> Vec<State> {
         let start = |clocks: Vec<Clock>| State {
             now: 0,
-            members: MEMBERS.iter().zip(&clocks).map(|(m, c)| Member::started(m, *c)).collect(),
+            members: MEMBERS.iter().zip(&clocks).map(|(m, c)| Member::started(m, MODE, *c)).collect(),
             leases: BTreeMap::new(),
-            leaders: clocks[MEMBERS.len()..].iter().map(|c| Leader::started(*c)).collect(),
+            leaders: clocks[MEMBERS.len()..].iter().map(|c| Leader::started(*c, MODE)).collect(),
             stored: None,
             versions: 0,
             backup: None,
@@ -282,7 +311,7 @@ impl Model for Protocol {
         // Renewals stay on whole seconds: a leader that leads just after sees the renewal
         // at once, the worst case.
         let whole_second = state.now.is_multiple_of(SECOND);
-        let may_write = |m: &Member, real: u64| m.slice.permit(tracked(), m.clock.read(real)).is_some();
+        let may_write = |m: &Member, real: u64| m.slice.permit(m.bucket(), m.clock.read(real)).is_some();
         for (i, member) in state.members.iter().enumerate() {
             if renews(member) {
                 if !member.cycled && whole_second {
@@ -300,7 +329,22 @@ impl Model for Protocol {
                 actions.push(Action::Lead(l));
             }
         }
-        if state.faults > 0 || state.now >= FAULTS_UNTIL || !state.now.is_multiple_of(SECOND) {
+        if state.now >= FAULTS_UNTIL || !state.now.is_multiple_of(SECOND) {
+            return;
+        }
+        if self.faults == Faults::ModeChange {
+            // Every process may change once; together they are the one fault.
+            if state.stored.is_none() {
+                return;
+            }
+            let drained = |i: usize| state.writes.iter().all(|w| w.member != i);
+            let next = state.members.iter().rposition(|m| m.mode == MODE);
+            actions.extend(next.filter(|i| drained(*i)).map(Action::RemodeMember));
+            let leaders = state.leaders.iter().enumerate().filter(|(_, l)| l.mode == MODE);
+            actions.extend(leaders.map(|(l, _)| Action::RemodeLeader(l)));
+            return;
+        }
+        if state.faults > 0 {
             return;
         }
         let running = state.members.iter().enumerate().filter(|(_, m)| m.run == Run::Running);
@@ -312,6 +356,7 @@ impl Model for Protocol {
                 }
             }
             Faults::CutOff => actions.extend(running.map(|(i, _)| Action::CutOff(i))),
+            Faults::ModeChange => {}
             Faults::Assignment => {
                 if state.stored.is_some() {
                     actions.push(Action::DeleteAssignment);
@@ -361,10 +406,19 @@ impl Model for Protocol {
                     return Some(state);
                 }
                 let started = member.clock.read(now);
-                let holder = MEMBERS[i].to_string();
+                let holder = member.incarnation.clone();
+                // A new incarnation takes its pod's Lease over only once the old holder's
+                // renewal has stood for a lease duration (sooner than `lease::ForeignHold`,
+                // which counts from its own first sight: the worst case).
+                let pod = pod_of(&holder).to_string();
+                let held = |l: &Lease| !l.holder.is_empty() && l.holder != holder && now - l.renewed < LEASE;
+                if state.leases.get(&pod).is_some_and(held) {
+                    return Some(state);
+                }
                 let acked = member.slice.acknowledgeable(started);
                 let seen = member.slice.generation();
-                state.leases.insert(pod_of(&holder).to_string(), Lease { holder, renewed: now, acked, seen });
+                let lease = Lease { holder, mode: member.mode, renewed: now, acked, seen };
+                state.leases.insert(pod, lease);
                 match &state.stored {
                     Some((_, stored)) => drop(member.slice.confirm(started, &stored.full())),
                     None => member.slice.renewed(started),
@@ -373,12 +427,14 @@ impl Model for Protocol {
             Action::Write(i) => {
                 let member = &mut state.members[i];
                 let sent = member.clock.shows(now);
-                let epoch = member.slice.begin(tracked(), member.clock.read(now))?;
-                member.slice.end(tracked());
+                let bucket = member.bucket();
+                let epoch = member.slice.begin(bucket, member.clock.read(now))?;
+                member.slice.end(bucket);
                 // Registered as in flight until its bound, answered or not (conservative).
                 let bound = sent + self.landing_bound;
-                member.slice.abandoned(tracked(), crate::clock::at(bound));
-                let write = Write { member: i, epoch, sent: now, lands_by: member.clock.last_showing(bound) };
+                member.slice.abandoned(bucket, crate::clock::at(bound));
+                let lands_by = member.clock.last_showing(bound);
+                let write = Write { member: i, writer: member.incarnation.clone(), epoch, sent: now, lands_by };
                 if let Some((owner, granted)) = &state.granted {
                     judge(&mut state.violation, now, &write, owner, *granted);
                 }
@@ -421,6 +477,21 @@ impl Model for Protocol {
                 state.members[i].run = Run::CutOff;
                 Self::fault(&mut state);
             }
+            Action::RemodeMember(i) => {
+                let old = &state.members[i];
+                let pod = pod_of(&old.incarnation).to_string();
+                state.members[i] = Member::started(&format!("{pod}_2"), other(old.mode), old.clock);
+                // Lease::release: the holder emptied, so the successor takes it over at once.
+                if let Some(lease) = state.leases.get_mut(&pod) {
+                    lease.holder = String::new();
+                }
+                Self::fault(&mut state);
+            }
+            Action::RemodeLeader(l) => {
+                let old = &state.leaders[l];
+                state.leaders[l] = Leader::started(old.clock, other(old.mode));
+                Self::fault(&mut state);
+            }
             Action::DeleteAssignment => {
                 state.stored = None;
                 Self::fault(&mut state);
@@ -437,10 +508,10 @@ impl Model for Protocol {
                 state.stored = None;
                 state.leases.clear();
                 for (i, member) in state.members.iter_mut().enumerate() {
-                    *member = Member::started(MEMBERS[i], member.clock);
+                    *member = Member::started(MEMBERS[i], member.mode, member.clock);
                 }
                 for leader in state.leaders.iter_mut() {
-                    *leader = Leader::started(leader.clock);
+                    *leader = Leader::started(leader.clock, leader.mode);
                 }
                 // The new install's first grant is a new grant, even to a namesake of the last owner.
                 state.granted = state.granted.take().map(|(_, epoch)| ("(the previous install)".to_string(), epoch));
@@ -457,7 +528,9 @@ impl Model for Protocol {
             }),
             Property::always("tokens never go backwards", |_, s: &State| !s.token_went_back),
             Property::always("the bucket is owned by a running member at the horizon", |_, s: &State| {
-                let recovered = s.faults == 0 || s.last_fault + LEASE + 5 * SECOND <= HORIZON;
+                // A rolling update that stopped half way leaves no member of the leader's mode.
+                let one_mode = s.members.iter().all(|m| s.leaders.iter().all(|l| l.mode == m.mode));
+                let recovered = s.faults == 0 || (one_mode && s.last_fault + LEASE + 5 * SECOND <= HORIZON);
                 s.now < HORIZON || !recovered || owned_by_a_running_member(s)
             }),
         ]
@@ -469,7 +542,7 @@ impl Model for Protocol {
 /// own. Judging when the grant or the write happens covers the write landing at the last
 /// instant of its bound, the worst case, without modelling every instant it could land at.
 fn judge(violation: &mut Option<String>, now: u64, write: &Write, owner: &str, epoch: u64) {
-    let writer = MEMBERS[write.member];
+    let writer = &write.writer;
     if writer == owner || write.lands_by < now || violation.is_some() {
         return;
     }
@@ -483,5 +556,12 @@ fn judge(violation: &mut Option<String>, now: u64, write: &Write, owner: &str, e
 fn owned_by_a_running_member(state: &State) -> bool {
     let Some((_, stored)) = &state.stored else { return false };
     let Slot::Owned { member, .. } = &stored.slot else { return false };
-    MEMBERS.iter().position(|m| m == member).is_some_and(|i| state.members[i].run == Run::Running)
+    state.members.iter().any(|m| m.incarnation == *member && m.mode == stored.mode && m.run == Run::Running)
+}
+
+fn other(mode: Mode) -> Mode {
+    match mode {
+        Mode::Labels => Mode::ShardSelector,
+        Mode::ShardSelector => Mode::Labels,
+    }
 }

@@ -12,6 +12,8 @@
 //!   lease renewals;
 //! - [`assignment`]: the published bucket ownership, with fencing epochs, and the leader's
 //!   safe transitions (revoke before reassign);
+//! - [`planning`]: the leader's planning step as one function (a change of mode, a change of
+//!   ranges, then the placement), which the leader and the model checker both call;
 //! - [`mod@slice`]: what this replica may write right now, and when it may say it let go.
 //!
 //!
@@ -29,6 +31,7 @@ pub mod coordination;
 pub mod counts;
 pub mod hash_ranges;
 pub mod membership;
+pub mod planning;
 pub mod ring;
 pub mod shard_range;
 pub mod slice;

@@ -34,8 +34,7 @@ use super::ownership::Ownership;
 use super::published::AssignmentView;
 use super::{Replica, ShardConfig};
 use crate::assignment::{
-    Assignment, DrainFacts, Slot, may_reassign, must_republish, next_assignment, starting_point, track_revocations,
-    vacate, vacate_buckets,
+    Assignment, DrainFacts, Slot, may_reassign, must_republish, starting_point, track_revocations,
 };
 use crate::balance::{self, Steadiness};
 use crate::bucket::Mode;
@@ -43,6 +42,7 @@ use crate::capacity;
 use crate::counts::Counts;
 use crate::hash_ranges::{Ranges, by_hash};
 use crate::membership::{Liveness, pod_of};
+use crate::planning::{self, Inputs, Plan};
 
 /// A member Lease unchanged for this many lease durations is left over from a pod that is
 /// gone (scaled in, renamed), and the leader deletes it.
@@ -256,7 +256,7 @@ impl Leader {
             },
             false => 0,
         };
-        let mut current = starting_point(known, republish, reserved, seen, mode);
+        let current = starting_point(known, republish, reserved, seen, mode);
         self.track_revocations(&current, now);
         self.confirm_silent(&current, now).await;
         let release = |from: &str, since: u64| -> bool {
@@ -272,16 +272,6 @@ impl Leader {
             });
             may_reassign(since, facts)
         };
-        if current.mode != mode && current.generation > 0 {
-            // A bucket of one mode holds other namespaces than the same bucket of the other:
-            // every bucket is revoked in the old mode, through the usual drain, before any is
-            // given in the new one.
-            if !current.is_vacant() {
-                tracing::warn!(from = current.mode.as_str(), to = mode.as_str(), "changing the sharding mode");
-                return vacate(&current, &release).map(|next| (next, resource_version));
-            }
-            current = Assignment { mode, objects: None, ranges: Ranges::default(), ..current };
-        }
         let mut receivers =
             self.members.with(|t| t.receivers(leaving.is_none().then_some(me.as_str()), mode.as_str(), now));
         self.log_idle(mode, now);
@@ -290,46 +280,60 @@ impl Leader {
         }
         m::set_members_alive(receivers.len());
         let ranges = self.ranges_wanted(&current, &receivers, leaving.is_some());
-        let new_ranges = ranges != current.ranges;
-        if new_ranges {
-            let changed = current.ranges.changed(&ranges);
-            if changed.iter().any(|b| current.slots[usize::from(*b)] != Slot::Free) {
-                // Namespaces move between the changed buckets: each is revoked under the old
-                // ranges, through the usual drain, before any is given under the new ones.
-                tracing::info!(buckets = changed.len(), "changing hash ranges: revoking the changed buckets first");
-                return vacate_buckets(&current, &changed, &release).map(|next| (next, resource_version));
-            }
-            tracing::info!(buckets = changed.len(), split = !ranges.is_uniform(), "publishing new hash ranges");
-            current = Assignment { ranges, ..current };
-            // Placed by the count under the new ranges at once, not by bucket count meanwhile.
-            current.objects = self.census.latest().map(|namespaces| current.count(&namespaces));
-        }
         let rebalanced = if leaving.is_none() { self.rebalance(&current, &receivers) } else { None };
         let capacities = self.members.with(|t| t.capacities(&receivers));
         if capacity::reported_over(&self.members.with(|t| t.load_reports()), &capacities) {
             self.census.count_soon();
         }
-        let census = self.census.latest().map(|namespaces| current.count(&namespaces));
-        let Some(placement) = capacity::place(&current, &receivers, &capacities, census.as_ref(), rebalanced) else {
-            tracing::debug!("members advertise capacities; not planning before the objects are counted");
-            return None;
-        };
-        m::set_unplaced(placement.unplaced.len(), placement.unplaced_objects());
-        // What nobody has room for is reported as unplaced, not as unowned.
-        let unowned = current.unowned(&receivers).saturating_sub(placement.unplaced.len());
-        let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
-        m::record_unowned(unowned, last.map_or(Duration::ZERO, |t| now - t));
-        next_assignment(&current, &receivers, placement.wanted, &release, republish)
-            // New ranges are published even when no bucket has a receiver to go to.
-            .or_else(|| new_ranges.then(|| Assignment { generation: current.generation + 1, ..current.clone() }))
-            .map(|next| (next, resource_version))
+        let census = self.census.latest();
+        let plan = planning::plan(Inputs {
+            current,
+            republish,
+            mode,
+            receivers: &receivers,
+            ranges,
+            census: census.as_ref(),
+            capacities: &capacities,
+            rebalanced,
+            release: &release,
+        });
+        self.report(&plan, now);
+        plan.into_next().map(|next| (next, resource_version))
+    }
+
+    /// Says what a plan does: in logs when it changes the mode or the ranges, in metrics
+    /// when it places.
+    fn report(&self, plan: &Plan, now: Instant) {
+        match plan {
+            Plan::VacateMode { from, next: Some(_) } => {
+                tracing::warn!(from = from.as_str(), to = self.ownership.mode().as_str(), "changing the sharding mode");
+            }
+            Plan::VacateRanges { buckets, next: Some(_) } => {
+                tracing::info!(buckets, "changing hash ranges: revoking the changed buckets first");
+            }
+            Plan::VacateMode { .. } | Plan::VacateRanges { .. } => {}
+            Plan::Uncounted => {
+                tracing::debug!("members advertise capacities; not planning before the objects are counted");
+            }
+            Plan::Place { new_ranges, unplaced_buckets, unplaced_objects, unowned, .. } => {
+                if let Some((buckets, split)) = new_ranges {
+                    tracing::info!(buckets, split, "publishing new hash ranges");
+                }
+                m::set_unplaced(*unplaced_buckets, *unplaced_objects);
+                let last = self.last_planned.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
+                m::record_unowned(*unowned, last.map_or(Duration::ZERO, |t| now - t));
+            }
+        }
     }
 
     /// The hash ranges to publish in shard-selector mode: split where the counted namespaces
     /// crowd, while this replica may split them and every receiver reads split ranges;
     /// uniform otherwise.
     fn ranges_wanted(&self, current: &Assignment, receivers: &BTreeSet<String>, leaving: bool) -> Ranges {
-        if current.mode != Mode::ShardSelector || leaving {
+        if self.ownership.mode() != Mode::ShardSelector || current.mode != Mode::ShardSelector {
+            return Ranges::default();
+        }
+        if leaving {
             return current.ranges.clone();
         }
         let may_split = self.config.split_ranges && self.members.with(|t| t.all_read_split_ranges(receivers));
