@@ -14,8 +14,8 @@ pub mod labeller;
 pub mod shards_report;
 
 pub use crate::sharding::coordination::{
-    Coordination, FENCED_MESSAGE, Names, Replica, ShardConfig, audit, epoch_floor, follower, leader, lease, load,
-    members, metrics, mode, namespace_labels, ownership, published, sharded, tasks, validate_timings,
+    Coordination, FENCED_MESSAGE, Names, Replica, ShardConfig, audit, epoch_floor, follower, install, leader, lease,
+    load, members, metrics, mode, namespace_labels, ownership, published, sharded, tasks, validate_timings,
 };
 
 pub const NAMES: Names = crate::sharding::names!("traffic-policy-operator", "trafficpolicy.dev");

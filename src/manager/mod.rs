@@ -13,6 +13,7 @@ use crate::cli::RunArgs;
 use crate::client::Clients;
 use crate::coordination::admission;
 use crate::coordination::audit::Audit;
+use crate::coordination::install::{self, InstallRecord};
 use crate::coordination::labeller::BucketLabelling;
 use crate::coordination::tasks::Start;
 use crate::coordination::{Coordination, ShardConfig};
@@ -22,9 +23,10 @@ mod controller;
 
 pub const CONTROLLER_NAME: &str = "applicationtrafficpolicy";
 
-/// What `/readyz` waits for: the member table, a real assignment applied with a valid
-/// lease, and the first sync of the watches of our slice.
-const READINESS_GATES: [&str; 5] = ["members", "assignment", CONTROLLER_NAME, "NetworkPolicy", "ConfigMap"];
+/// What `/readyz` waits for: no other install watching our namespaces, the member table, a
+/// real assignment applied with a valid lease, and the first sync of the watches of our slice.
+const READINESS_GATES: [&str; 6] =
+    [install::READINESS_GATE, "members", "assignment", CONTROLLER_NAME, "NetworkPolicy", "ConfigMap"];
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let shard = args.shard_config().map_err(anyhow::Error::msg)?;
@@ -55,9 +57,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     // Critical tasks: if one ends before shutdown, the process ends.
     let mut critical: JoinSet<&'static str> = JoinSet::new();
-    let mut sharding = start_coordination(&args, &shard, &clients, &health, &audit, &mut critical).await?;
-    let controller = controller::start(&args, &shard, &clients.work, &sharding, &health, &audit, shutdown.clone());
-    tracing::info!(incarnation = %shard.incarnation, namespace = %shard.namespace, workers = args.workers, "starting");
     let metrics_auth = (args.metrics_auth == crate::cli::MetricsAuthMode::Kubernetes)
         .then(|| crate::telemetry::metrics_auth::MetricsAuth::new(clients.work.clone()));
     let admin_shutdown = CancellationToken::new();
@@ -70,6 +69,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             "the admin server"
         }
     });
+    let install = std::sync::Arc::new(InstallRecord::new(clients.coordination.clone(), &shard));
+    if !install.wait_until_ours(&health, &shutdown).await {
+        admin_shutdown.cancel();
+        tracing::info!("stopped before starting: another install holds the install record");
+        return Ok(());
+    }
+    critical.spawn({
+        let install = install.clone();
+        async move {
+            let why = install.keep().await;
+            tracing::error!("{why}");
+            "the install record check"
+        }
+    });
+    let mut sharding = start_coordination(&args, &shard, &clients, &health, &audit, &mut critical).await?;
+    let controller = controller::start(&args, &shard, &clients.work, &sharding, &health, &audit, shutdown.clone());
+    tracing::info!(incarnation = %shard.incarnation, namespace = %shard.namespace, workers = args.workers, "starting");
 
     // Run until shutdown; a critical task that ends first stops the process, after the
     // same orderly shutdown.
@@ -96,7 +112,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(drained) => drained,
         None => controller.await,
     };
-    sharding.shut_down(drained, shard.landing_bound(), &audit).await;
+    if sharding.shut_down(drained, shard.landing_bound(), &audit).await {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), install.release()).await;
+    }
     admin_shutdown.cancel();
     tracing::info!("stopped");
     match failure {

@@ -7,7 +7,8 @@
 
 use std::time::Duration;
 
-use controlplane::{Config, ControlPlane};
+use controlplane::{Config, ControlPlane, Grant};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -50,12 +51,18 @@ async fn launched_and_reconciled(cp: &ControlPlane, namespace: &str, rate: u32) 
     let identity = cp.identity(namespace, "traffic-policy-operator", &[]).await.unwrap();
     let args = [format!("--namespace={namespace}")];
     let operator = Operator::launch(cp, &identity, &format!("reinstalled-{namespace}"), &args).await;
+    (reconciled(cp, namespace, rate).await, operator)
+}
+
+/// Sets the policy's rate to `rate` and waits until the install in `namespace` has written it;
+/// the fencing token it wrote with.
+async fn reconciled(cp: &ControlPlane, namespace: &str, rate: u32) -> u64 {
     let client = cp.client().await.unwrap();
     let policies = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), TENANT);
     let patch = serde_json::json!({"spec": {"rateLimit": {"requestsPerSecond": rate}}});
     policies.patch(POLICY, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
     let configmaps = Api::<ConfigMap>::namespaced(client.clone(), TENANT);
-    let token = eventually_within(Duration::from_secs(90), &format!("the install in {namespace} reconciles"), || {
+    eventually_within(Duration::from_secs(90), &format!("the install in {namespace} reconciles"), || {
         let (policies, configmaps) = (policies.clone(), configmaps.clone());
         async move {
             let policy = policies.get(POLICY).await.ok()?;
@@ -68,8 +75,13 @@ async fn launched_and_reconciled(cp: &ControlPlane, namespace: &str, rate: u32) 
             (ready && current && carried).then_some(token)
         }
     })
-    .await;
-    (token, operator)
+    .await
+}
+
+/// The member Leases in `namespace`: a replica that took part in sharding made one.
+async fn member_leases(client: &Client, namespace: &str) -> Vec<String> {
+    let leases = Api::<Lease>::namespaced(client.clone(), namespace).list(&Default::default()).await.unwrap();
+    leases.items.iter().map(|l| l.name_any()).filter(|n| n.starts_with("traffic-policy-operator-member-")).collect()
 }
 
 /// The generation floor on the CRD, if it has one.
@@ -156,6 +168,28 @@ async fn an_uninstall_keeps_the_policies_and_a_reinstall_reconciles_them() {
     assert!(ok, "{err}");
     let (fifth, mut operator) = launched_and_reconciled(&cp, "platform-five", 105).await;
     assert!(fifth > fourth, "after the floor was lost, the install wrote with token {fifth}, below {fourth}");
+
+    // A second install beside it, watching the same namespaces (bound to the same ClusterRole,
+    // not applied over the first's cluster-wide objects), waits and does nothing.
+    let (ok, _, err) = kubectl(&cp, &["create", "namespace", "platform-six"]);
+    assert!(ok, "{err}");
+    // Its namespace's Role comes with its manifests, later.
+    let grants = [Grant::ClusterRole("traffic-policy-operator".into())];
+    let identity = cp.identity("platform-six", "traffic-policy-operator", &grants).await.unwrap();
+    let mut waiting =
+        Operator::spawn(&cp, &identity.kubeconfig_path, "second-install", &["--namespace=platform-six".into()]);
+    eventually_within(Duration::from_secs(30), "the second install reports the first", || async {
+        waiting.get("/metrics").ok().filter(|m| m.contains("traffic_policy_install_blocked 1")).map(drop)
+    })
+    .await;
+    let blocked_by_the_first = |waiting: &Operator| {
+        let log = controlplane::process::tail(&waiting.process.log_path, 200);
+        assert!(log.contains("another install, in namespace platform-five"), "the reason is not logged: {log}");
+        assert!(!waiting.is_ready(), "the second install is ready beside the first");
+    };
+    blocked_by_the_first(&waiting);
+    assert!(member_leases(&client, "platform-six").await.is_empty(), "the second install took part in sharding");
+
     // Replaced again while the install runs: its leader writes its reservation back.
     let (ok, _, err) = kubectl(&cp, &["replace", "-f", "crds/"]);
     assert!(ok, "{err}");
@@ -163,10 +197,24 @@ async fn an_uninstall_keeps_the_policies_and_a_reinstall_reconciles_them() {
         floor(&client).await.filter(|f| *f >= fifth)
     })
     .await;
+    // The install record went with the floor: the waiting install still waits.
+    blocked_by_the_first(&waiting);
+    assert!(member_leases(&client, "platform-six").await.is_empty(), "the second install started on a lost record");
+
+    // The first uninstalled as its admin would (its last replica removes its entry as it leaves,
+    // and its namespace goes), then the second's manifests applied: the second starts.
     assert_eq!(operator.stop().map(|s| s.success()), Some(true), "the replica did not exit cleanly");
     kept_after(&cp, &objects, || kubectl(&cp, &["delete", "-k", &dir, "--wait=true"])).await;
+    let sixth_dir = crate::namespace_over("deploy/", "platform-six");
+    let (ok, _, err) = kubectl(&cp, &["apply", "-k", &sixth_dir]);
+    assert!(ok, "{err}");
+    waiting.wait_ready().await;
+    let sixth = reconciled(&cp, "platform-six", 106).await;
+    assert!(sixth > fifth, "the second install wrote with token {sixth}, below {fifth}");
+    assert_eq!(waiting.stop().map(|s| s.success()), Some(true), "the second replica did not exit cleanly");
+    kept_after(&cp, &objects, || kubectl(&cp, &["delete", "-k", &sixth_dir, "--wait=true"])).await;
     println!(
-        "policy and children kept across five uninstalls and a lost floor; tokens {first} -> {second} -> {third} -> \
-         {fourth} -> {fifth}"
+        "policy and children kept across six uninstalls and a lost floor; tokens {first} -> {second} -> {third} -> \
+         {fourth} -> {fifth} -> {sixth} (the sixth waited for the fifth)"
     );
 }

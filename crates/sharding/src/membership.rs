@@ -218,6 +218,14 @@ impl MemberTable {
         idle.collect()
     }
 
+    /// Whether a member of another pod than `me` holds its Lease and may be alive: when none
+    /// does, `me` is the last of its install to leave.
+    pub fn others_alive(&self, me: &str, now: Instant) -> bool {
+        let others = self.members.iter().filter(|(pod, _)| pod.as_str() != pod_of(me));
+        let holders = others.filter_map(|(_, seen)| seen.state.holder());
+        holders.map(|h| self.liveness(h, now)).any(|l| matches!(l, Liveness::Renewing | Liveness::MayBeAlive))
+    }
+
     /// The generation `incarnation` acknowledged, read from its own Lease.
     pub fn acked_generation(&self, incarnation: &str) -> Option<u64> {
         let seen = self.members.get(pod_of(incarnation))?;

@@ -296,10 +296,16 @@ impl MemberLease {
 /// machines are never compared): the hold has expired once one renewal has stood for a whole
 /// lease duration here.
 #[derive(Default)]
-struct ForeignHold(Option<(String, Option<MicroTime>, Instant)>);
+pub(super) struct ForeignHold(Option<(String, Option<MicroTime>, Instant)>);
 
 impl ForeignHold {
-    fn expired(&mut self, holder: &str, renew_time: Option<MicroTime>, duration: Duration, now: Instant) -> bool {
+    pub(super) fn expired(
+        &mut self,
+        holder: &str,
+        renew_time: Option<MicroTime>,
+        duration: Duration,
+        now: Instant,
+    ) -> bool {
         match &self.0 {
             Some((h, t, since)) if h == holder && *t == renew_time => now.saturating_duration_since(*since) >= duration,
             _ => {

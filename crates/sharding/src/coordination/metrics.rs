@@ -25,6 +25,7 @@ struct MetricNames {
     capacity: &'static str,
     unplaced_objects: &'static str,
     unplaced_buckets: &'static str,
+    install_blocked: &'static str,
 }
 
 static NAMES: LazyLock<MetricNames> = LazyLock::new(|| {
@@ -47,6 +48,7 @@ static NAMES: LazyLock<MetricNames> = LazyLock::new(|| {
         capacity: name("capacity_objects"),
         unplaced_objects: name("unplaced_objects"),
         unplaced_buckets: name("unplaced_buckets"),
+        install_blocked: name("install_blocked"),
     }
 });
 
@@ -83,6 +85,10 @@ pub fn describe() {
     );
     describe_gauge!(n.unplaced_buckets, "Buckets that no replica has room for (reported by the leader).");
     describe_gauge!(
+        n.install_blocked,
+        "1 while another live install watches namespaces this one would: this replica does nothing."
+    );
+    describe_gauge!(
         n.slice_imbalance,
         "The largest replica's objects over the mean, from the replicas' reports (reported by the leader)."
     );
@@ -95,6 +101,11 @@ pub fn describe() {
 
 fn flag(on: bool) -> f64 {
     if on { 1.0 } else { 0.0 }
+}
+
+/// Whether another live install holds the install record (see `coordination::install`).
+pub fn set_install_blocked(blocked: bool) {
+    gauge!(NAMES.install_blocked).set(flag(blocked));
 }
 
 /// Whether a renewal cycle has confirmed this replica's right to write.

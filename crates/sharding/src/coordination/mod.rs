@@ -9,6 +9,8 @@
 //!   policy that labels new objects;
 //! - [`epoch_floor`]: generations reserved on a CustomResourceDefinition, so that epochs
 //!   never restart;
+//! - [`install`]: the installs that may run, recorded on the same CRD, so that two installs
+//!   never watch one namespace;
 //! - [`published`]: the newest published assignment this replica has read;
 //! - [`follower`]: applying the published assignment to this replica (re-target the
 //!   watches at once, drain what was lost, acknowledge);
@@ -29,6 +31,7 @@ pub mod audit;
 pub mod census;
 pub mod epoch_floor;
 pub mod follower;
+pub mod install;
 pub mod leader;
 pub mod lease;
 pub mod load;
@@ -94,6 +97,8 @@ pub struct Names {
     pub ranges_annotation: &'static str,
     /// On the CustomResourceDefinition that keeps the generation floor.
     pub floor_annotation: &'static str,
+    /// On the same CustomResourceDefinition: the installs that may run, and what each watches.
+    pub install_annotation: &'static str,
 }
 
 /// The [`Names`] of a program: `names!("my-operator", "example.com")` names the Leases
@@ -120,6 +125,7 @@ macro_rules! names {
             capacity_annotation: concat!($domain, "/capacity"),
             ranges_annotation: concat!($domain, "/hash-ranges"),
             floor_annotation: concat!($domain, "/reserved-generation"),
+            install_annotation: concat!($domain, "/installs"),
         }
     };
 }

@@ -54,6 +54,8 @@ pub struct Coordination {
     pub watch_health: Arc<WatchHealth>,
     member_lease: Arc<MemberLease>,
     leader: Arc<Leader>,
+    members: Arc<Members>,
+    incarnation: String,
     stop_lease: CancellationToken,
     stop_sharding: CancellationToken,
     lease_task: Option<JoinHandle<()>>,
@@ -91,6 +93,7 @@ impl Coordination {
         critical.spawn({
             let (client, namespace, health) = (coordination.clone(), shard.namespace.clone(), health.clone());
             let names = shard.names;
+            let members = members.clone();
             async move {
                 members.watch(client, &namespace, &names, &health).await;
                 "the member lease watch"
@@ -118,6 +121,8 @@ impl Coordination {
             watch_health,
             member_lease,
             leader,
+            members,
+            incarnation: shard.incarnation.clone(),
             stop_lease,
             stop_sharding,
             lease_task: Some(lease_task),
@@ -148,7 +153,8 @@ impl Coordination {
     /// assignment, give up every bucket and wait until nothing of them can still land, stop
     /// renewing, then hand the slice over (release the Lease and, if leading, publish the
     /// buckets' new owners). A write that may still land leaves the Lease to expire instead.
-    pub async fn shut_down(self, drained: bool, landing_bound: Duration, audit: &Audit) {
+    /// True when this replica left as the last of its install (no other member Lease held).
+    pub async fn shut_down(self, drained: bool, landing_bound: Duration, audit: &Audit) -> bool {
         self.stop_sharding.cancel();
         if let Some(task) = self.follower_task {
             let _ = task.await;
@@ -170,9 +176,11 @@ impl Coordination {
             if was_leading {
                 self.leader.hand_over().await;
             }
+            !self.members.with(|t| t.others_alive(&self.incarnation, tokio::time::Instant::now()))
         } else {
             // The margin between renew deadline and lease duration covers a write still on its way.
             tracing::warn!("not drained: leaving the Lease to expire instead of handing over");
+            false
         }
     }
 }
