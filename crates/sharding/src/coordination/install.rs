@@ -8,15 +8,15 @@
 //! it watches (`*` for all), as JSON: `{"platform":"*"}`. Installs whose scopes do not overlap
 //! (each with its own `--watch-namespace`) run side by side.
 //! - A replica starts its part only once the record holds its install and no other live one
-//!   that overlaps it. An overlapping install is gone once its leader Lease is deleted (with
-//!   its namespace) or has stood unchanged here for a lease duration (released or unrenewed);
-//!   its entry is then removed. A missing record (a new CRD, `kubectl replace -f crds/`) is
+//!   that overlaps it. An overlapping install is gone once its leader Lease has stayed missing
+//!   (deleted with its namespace) or unchanged here for a lease duration (released or
+//!   unrenewed); its entry is then removed. A missing record (a new CRD, `kubectl replace -f crds/`) is
 //!   written anew.
 //! - While a live one holds it, the replica waits: not ready, the reason in the log and
 //!   `<prefix>_install_blocked` at 1; it asks again every [`WAIT_POLL`].
-//! - While it runs, it reads the record every [`RECHECK`]: a lost entry is written back; one
-//!   that an overlapping live install took meanwhile stops this replica, which waits after its
-//!   restart.
+//! - While it runs, it reads the record every [`RECHECK`]: a lost entry is written back; if two
+//!   checks in a row find an overlapping live install holding it, this replica stops, and waits
+//!   after its restart.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -39,6 +39,8 @@ use super::metrics as m;
 pub const READINESS_GATE: &str = "install record";
 /// How often a waiting replica asks again.
 pub const WAIT_POLL: Duration = Duration::from_secs(2);
+/// How a missing leader Lease is held in [`ForeignHold`]: no incarnation is named so.
+const NO_LEASE: &str = "(no leader Lease)";
 /// The scope of an install that watches every namespace.
 pub const ALL_NAMESPACES: &str = "*";
 
@@ -202,14 +204,22 @@ impl InstallRecord {
     /// stop once an overlapping live install holds the record (a critical task: it ends only
     /// then). Read errors wait for the next check.
     pub async fn keep(&self) -> String {
+        // A rival seen for the first time counts as live until its Lease has stood for a lease
+        // duration (a restore may bring back the entry of an install long gone): this install
+        // stops only when two checks in a row find the same one live.
+        let mut blocked_by: Option<String> = None;
         loop {
             tokio::time::sleep(RECHECK).await;
             match self.check().await {
-                Ok(Standing::Blocked { namespace, why }) => {
+                Ok(Standing::Blocked { namespace, why }) if blocked_by.as_ref() == Some(&namespace) => {
                     m::set_install_blocked(true);
                     return self.blocked_message(&namespace, &why);
                 }
-                Ok(_) => {}
+                Ok(Standing::Blocked { namespace, why }) => {
+                    tracing::warn!(rival = %namespace, %why, "another install holds the install record; checking again");
+                    blocked_by = Some(namespace);
+                }
+                Ok(_) => blocked_by = None,
                 Err(error) => tracing::warn!(%error, "could not check the install record"),
             }
         }
@@ -247,25 +257,28 @@ impl InstallRecord {
         format!(
             "another install, in namespace {namespace}, watches namespaces this one would ({why}); this replica does \
              nothing until that install is removed (its leader Lease deleted or unrenewed for a lease duration), or \
-             its entry is removed from annotation {} of CustomResourceDefinition {}",
+             its entry is removed from annotation {} of CustomResourceDefinition {} and this replica restarted",
             self.annotation, self.object
         )
     }
 
     async fn rival(&self, namespace: &str) -> Rival {
         let leases = Api::<Lease>::namespaced(self.client.clone(), namespace);
-        let lease = match leases.get_opt(self.leader_lease).await {
-            Ok(Some(lease)) => lease,
-            Ok(None) => return Rival::Gone,
+        // A missing Lease counts like one unchanged: gone only once it has stayed missing for a
+        // lease duration, since an install that just recorded itself elects its leader after.
+        let (holder, renew_time, duration) = match leases.get_opt(self.leader_lease).await {
+            Ok(Some(lease)) => {
+                let spec = lease.spec.unwrap_or_default();
+                let duration = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(0).max(0) as u64);
+                (spec.holder_identity.unwrap_or_default(), spec.renew_time, duration)
+            }
+            Ok(None) => (NO_LEASE.to_string(), None, Duration::ZERO),
             Err(error) => return Rival::Unknown(error.to_string()),
         };
-        let spec = lease.spec.unwrap_or_default();
-        let holder = spec.holder_identity.unwrap_or_default();
         // A released Lease counts only once it stays released: a rolling update hands it on.
-        let duration = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(0).max(0) as u64);
         let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
         let hold = holds.entry(namespace.to_string()).or_default();
-        match hold.expired(&holder, spec.renew_time, duration.max(self.lease_duration), Instant::now()) {
+        match hold.expired(&holder, renew_time, duration.max(self.lease_duration), Instant::now()) {
             true => Rival::Gone,
             false => Rival::Live,
         }
