@@ -242,6 +242,10 @@ impl Unfenced {
     pub const BINDING: &str = "trafficpolicy.dev-fencing";
 
     pub async fn remove() -> Self {
+        // The binding is there to remove only once the suite installed it, which a scenario
+        // run first would not have done yet.
+        let cp = tokio::task::spawn_blocking(ControlPlane::shared).await.unwrap();
+        install_once(cp).await;
         let client = shared_client().await;
         let bindings = Api::<ValidatingAdmissionPolicyBinding>::all(client.clone());
         let mut binding = bindings.get(Self::BINDING).await.unwrap();

@@ -327,10 +327,28 @@ impl Fleet {
 /// at a time: two concurrent changes of one policy (the churn and a scenario's own) could
 /// reach the API server in the opposite order of their values, and its spec go back.
 pub async fn set_rate(client: &Client, namespace: &str, name: &str) -> Option<u64> {
+    change_spec(client, namespace, name, |value| json!({ "spec": { "rateLimit": { "requestsPerSecond": value } } }))
+        .await
+}
+
+/// Sets the path prefix of a policy's gateway half to `/v` and the next value of the global
+/// counter; the value set.
+pub async fn set_path(client: &Client, namespace: &str, name: &str) -> Option<u64> {
+    let path = |value| json!({ "spec": { "gateway": { "paths": [{ "type": "PathPrefix", "value": format!("/v{value}") }] } } });
+    change_spec(client, namespace, name, path).await
+}
+
+/// Merges `patch(value)` into a policy, with `value` the next of the global counter; the value.
+pub async fn change_spec(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    patch: impl FnOnce(u64) -> serde_json::Value,
+) -> Option<u64> {
     static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _turn = ONE_AT_A_TIME.lock().await;
     let value = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let patch = json!({ "spec": { "rateLimit": { "requestsPerSecond": value } } });
+    let patch = patch(value);
     let api = Api::<ApplicationTrafficPolicy>::namespaced(client.clone(), namespace);
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.ok().map(|_| value)
 }

@@ -5,8 +5,8 @@
 //!
 //! The audit log has every assignment the fleet published (with its content), every member
 //! Lease write (which names the incarnation each service account holds), and every write of
-//! ours. An assignment whose generation is not above every earlier one is not a grant: it is
-//! a restored copy, which members treat as lost.
+//! ours, deletes included. An assignment whose generation is not above every earlier one is
+//! not a grant: it is a restored copy, which members treat as lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -61,11 +61,12 @@ pub fn violations(audit_log: &Path, users: &BTreeSet<String>) -> Vec<String> {
             // The leader's bucket labels on policies are written alike by whoever leads; a
             // policy's own writes go to its status.
             (Some("applicationtrafficpolicies"), _, _) if e["objectRef"]["subresource"] != "status" => {}
-            (Some(resource), Some(name), Some("patch")) => writes.push(Accepted {
+            // A delete is a write too: the gateway outputs a policy no longer asks for.
+            (Some(resource), Some(name), Some("patch" | "delete")) => writes.push(Accepted {
                 received: e["requestReceivedTimestamp"].as_str().unwrap_or_default().to_string(),
                 user: user.to_string(),
                 namespace: e["objectRef"]["namespace"].as_str().unwrap_or_default().to_string(),
-                what: format!("{resource} {name}"),
+                what: format!("{} {resource} {name}", e["verb"].as_str().unwrap_or_default()),
             }),
             _ => {}
         }

@@ -1,7 +1,8 @@
-//! An HTTP proxy in front of the API server that can answer one write with 504 Gateway
-//! Timeout at once and deliver it to the server later: the fault of a load balancer or proxy
-//! that gives up on a request which still goes through. The client cannot tell such a write
-//! from one that failed, so it must count it as in flight until its bound has passed.
+//! An HTTP proxy in front of the API server that can answer one write (a patch or a delete)
+//! with 504 Gateway Timeout at once and deliver it to the server later: the fault of a load
+//! balancer or proxy that gives up on a request which still goes through. The client cannot
+//! tell such a write from one that failed, so it must count it as in flight until its bound
+//! has passed.
 //!
 //! It can also answer every list and watch of one resource with 504, as a proxy in front of
 //! a failing path would: lists that are retried and never complete.
@@ -26,9 +27,11 @@ use kube::client::Body;
 
 use crate::ControlPlane;
 
-/// The next write to answer with 504: a PATCH whose path contains `path`, delivered `delay` later.
+/// The next write to answer with 504: a `method` request whose path contains `path`,
+/// delivered `delay` later.
 #[derive(Clone)]
 struct Armed {
+    method: http::Method,
     path: String,
     delay: Duration,
 }
@@ -88,7 +91,17 @@ impl GatewayTimeoutProxy {
     /// Answers the next PATCH whose path contains `path` with 504 at once, and delivers it to
     /// the API server `delay` later.
     pub fn time_out_next_write(&self, path: &str, delay: Duration) {
-        self.state.lock().unwrap().armed = Some(Armed { path: path.into(), delay });
+        self.arm(http::Method::PATCH, path, delay);
+    }
+
+    /// Answers the next DELETE whose path contains `path` with 504 at once, and delivers it
+    /// to the API server `delay` later.
+    pub fn time_out_next_delete(&self, path: &str, delay: Duration) {
+        self.arm(http::Method::DELETE, path, delay);
+    }
+
+    fn arm(&self, method: http::Method, path: &str, delay: Duration) {
+        self.state.lock().unwrap().armed = Some(Armed { method, path: path.into(), delay });
     }
 
     /// Answers every GET (list or watch) whose path contains `path` with 504, until called with `None`.
@@ -161,7 +174,7 @@ async fn forward(
     let path = parts.uri.path().to_string();
     let time_out = {
         let mut state = state.lock().unwrap();
-        let hit = state.armed.as_ref().is_some_and(|a| parts.method == http::Method::PATCH && path.contains(&a.path));
+        let hit = state.armed.as_ref().is_some_and(|a| parts.method == a.method && path.contains(&a.path));
         if hit { state.armed.take() } else { None }
     };
     let failing = state.lock().unwrap().failing_reads.clone();

@@ -47,7 +47,7 @@ omitStages: [RequestReceived]
 rules:
   - level: Request
     userGroups: ["system:serviceaccounts"]
-    verbs: ["create", "update", "patch"]
+    verbs: ["create", "update", "patch", "delete"]
     resources:
       - group: ""
         resources: ["configmaps"]
