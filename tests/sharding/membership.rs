@@ -1,7 +1,8 @@
 //! Membership that knows what a replica can do: a replica that cannot watch its slice (its
 //! watches are refused, or its lists never complete), or that shards in another mode than
 //! the fleet, is given no buckets, says why, and every policy keeps converging, judged from
-//! the API server.
+//! the API server. A leader that cannot see its members (its Lease watch stalls) gives
+//! leadership up.
 
 use std::time::{Duration, Instant};
 
@@ -9,7 +10,9 @@ use controlplane::gateway_timeout::GatewayTimeoutProxy;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
-use traffic_policy_operator::coordination::{MEMBER_LEASE_PREFIX, MODE_ANNOTATION, NOT_WORKING_ANNOTATION};
+use traffic_policy_operator::coordination::{
+    LEADER_LEASE, MEMBER_LEASE_PREFIX, MODE_ANNOTATION, NOT_WORKING_ANNOTATION,
+};
 
 use crate::SERIAL;
 use crate::common::{eventually, eventually_within};
@@ -135,6 +138,58 @@ async fn a_replica_whose_lists_never_complete_gives_its_slice_up_until_they_do()
     println!(
         "sharding summary: lists that never complete ({why}): every policy converged in {took:?} without r-1, \
          {took_after:?} with it again; {} writes seen by the server, {} overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+    assert_eq!(verdict.fenced, 0, "no write was fenced");
+    drop(proxy);
+}
+
+/// The pod whose incarnation holds the leader Lease.
+async fn leader_pod(fleet: &Fleet) -> Option<String> {
+    let lease = fleet.env.api::<Lease>().get_opt(LEADER_LEASE).await.ok()??;
+    let holder = lease.spec?.holder_identity.filter(|h| !h.is_empty())?;
+    Some(crate::audit::pod_of(&holder).to_string())
+}
+
+/// The leader's member-Lease watch stalls (a proxy stops passing it on: open and silent)
+/// while its renewals and its leader Lease go through. It can no longer tell who is alive,
+/// so it gives leadership up to a replica whose watch works, and a killed replica's slice
+/// still moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_member_watch_stalls_steps_down_and_a_killed_replicas_slice_moves() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("stalled-leader", 8).await;
+    let proxy = GatewayTimeoutProxy::start(fleet.env.cp).unwrap();
+    fleet.start_via("r-0", &format!("http://127.0.0.1:{}", proxy.port())).await;
+    eventually("r-0 leads", || async { (leader_pod(&fleet).await? == "r-0").then_some(()) }).await;
+    fleet.start("r-1").await;
+    fleet.start("r-2").await;
+    fleet.converged("the initial creation").await;
+    fleet.balanced().await;
+
+    proxy.freeze_watches(Some("/leases"));
+    let frozen = Instant::now();
+    let leader =
+        eventually("another replica leads", || async { leader_pod(&fleet).await.filter(|p| p != "r-0") }).await;
+    let stepped_down = frozen.elapsed();
+    let (_, renew_deadline, retry_period) = crate::common::lease_timings();
+    let bound = renew_deadline + retry_period * 2 + Duration::from_secs(2);
+    assert!(stepped_down <= bound, "r-0 gave leadership up within {bound:?} of its watch stalling: {stepped_down:?}");
+
+    let victim = if leader == "r-1" { "r-2" } else { "r-1" };
+    let t_kill = fleet.kill(victim);
+    let took = every_change_converges(&fleet, &format!("kill -9 of {victim}, r-0's member watch frozen")).await;
+    let takeover = crate::takeover_seconds(&fleet.audit(), victim, t_kill).expect("taken over");
+    let kill_bound = (lease_duration() + Duration::from_secs(3)).as_secs_f64();
+    assert!(takeover <= kill_bound, "takeover after kill -9 took {takeover:.2} s (bound {kill_bound} s)");
+    assert_eq!(leader_pod(&fleet).await.as_deref(), Some(leader.as_str()), "r-0 did not campaign again");
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: a leader's member watch frozen: {leader} led {stepped_down:?} after; {victim} killed, \
+         taken over in {takeover:.2} s, every change converged in {took:?}; {} writes seen by the server, \
+         {} overlapping, {} fenced",
         verdict.writes,
         verdict.overlapping.len(),
         verdict.fenced

@@ -5,7 +5,9 @@
 //! has passed.
 //!
 //! It can also answer every list and watch of one resource with 504, as a proxy in front of
-//! a failing path would: lists that are retried and never complete.
+//! a failing path would: lists that are retried and never complete. And it can freeze the
+//! watches of one resource: each delivers nothing more, neither an event nor a bookmark, and
+//! is never closed, as a stalled proxy or load balancer leaves a stream.
 //!
 //! Clients speak plain HTTP to it (kube's client accepts an `http://` server); it forwards
 //! each request with a kube client for the bearer token the request carries, so the API
@@ -20,7 +22,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Either, Full};
-use hyper::body::{Bytes, Incoming};
+use hyper::body::{Bytes, Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use kube::client::Body;
@@ -41,6 +43,8 @@ struct State {
     armed: Option<Armed>,
     /// GETs whose path contains this are answered 504.
     failing_reads: Option<String>,
+    /// Watches whose path contains this are answered 200 and then deliver nothing.
+    frozen_watches: Option<String>,
     /// The writes answered 504, with the status the server gave each once delivered.
     delivered: Vec<(String, u16)>,
     clients: HashMap<String, kube::Client>,
@@ -109,6 +113,12 @@ impl GatewayTimeoutProxy {
         self.state.lock().unwrap().failing_reads = path.map(str::to_string);
     }
 
+    /// Freezes every watch whose path contains `path`, open or to come: it delivers nothing
+    /// more and never ends. A watch frozen stays frozen; new ones pass once called with `None`.
+    pub fn freeze_watches(&self, path: Option<&str>) {
+        self.state.lock().unwrap().frozen_watches = path.map(str::to_string);
+    }
+
     /// Whether a write is still to be answered with 504.
     pub fn armed(&self) -> bool {
         self.state.lock().unwrap().armed.is_some()
@@ -128,7 +138,36 @@ impl Drop for GatewayTimeoutProxy {
     }
 }
 
-type Answer = Response<Either<Full<Bytes>, Body>>;
+type Answer = Response<Either<Full<Bytes>, Relay>>;
+
+/// The server's answer, passed on; a watch's stops (for good) once its path is frozen, and
+/// one frozen from the start (no `body`) never delivers anything.
+struct Relay {
+    body: Option<Body>,
+    /// For a watch, its path.
+    watch: Option<String>,
+    state: Arc<Mutex<State>>,
+}
+
+impl hyper::body::Body for Relay {
+    type Data = Bytes;
+    type Error = kube::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, kube::Error>>> {
+        let frozen = self.state.lock().unwrap().frozen_watches.clone();
+        if self.watch.as_ref().zip(frozen).is_some_and(|(path, frozen)| path.contains(&frozen)) {
+            self.body = None;
+        }
+        match self.body.as_mut() {
+            // Never woken: a stalled stream.
+            None => std::task::Poll::Pending,
+            Some(body) => std::pin::Pin::new(body).poll_frame(cx),
+        }
+    }
+}
 
 async fn forward(
     cp: &'static ControlPlane,
@@ -181,6 +220,14 @@ async fn forward(
     if failing.is_some_and(|failing| parts.method == http::Method::GET && path.contains(&failing)) {
         return answer(StatusCode::GATEWAY_TIMEOUT, "the proxy timed out");
     }
+    let frozen = state.lock().unwrap().frozen_watches.clone();
+    let watch = parts.uri.query().is_some_and(|q| q.split('&').any(|p| p == "watch=true" || p == "watch=1"));
+    let watch = watch.then(|| path.clone());
+    if frozen.is_some_and(|frozen| watch.as_ref().is_some_and(|w| w.contains(&frozen))) {
+        let mut response = Response::new(Either::Right(Relay { body: None, watch, state }));
+        response.headers_mut().insert(http::header::CONTENT_TYPE, "application/json".parse().unwrap());
+        return Ok(response);
+    }
     if let Some(armed) = time_out {
         tokio::spawn(async move {
             tokio::time::sleep(armed.delay).await;
@@ -194,7 +241,7 @@ async fn forward(
         return answer(StatusCode::GATEWAY_TIMEOUT, "the proxy timed out (the write goes on)");
     }
     match client.send(upstream).await {
-        Ok(response) => Ok(response.map(Either::Right)),
+        Ok(response) => Ok(response.map(|body| Either::Right(Relay { body: Some(body), watch, state }))),
         Err(error) => answer(StatusCode::BAD_GATEWAY, &error.to_string()),
     }
 }

@@ -12,6 +12,10 @@
 //!   that has aged past what the owner can still do (see `sharding::assignment`), so a
 //!   wrong view of who is alive costs time, never safety;
 //! - labelling an object with its bucket writes the same value whoever does it.
+//!
+//! A leader plans only from a member view that is listed and current: the member watch has
+//! shown its own Lease renewed within a renew deadline. While it is not, the leader gives the
+//! leader Lease up and does not campaign, so that a member whose watch works leads instead.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -138,14 +142,19 @@ impl Leader {
             let now = Instant::now();
             if now >= next_attempt {
                 next_attempt = now + self.config.retry_period;
-                // Only a member whose own lease is valid may lead.
-                if self.ownership.lease_valid() {
+                // Only a member whose own lease is valid may lead, and only one that can plan:
+                // a leader whose member watch stalls steps down for another to lead.
+                let view_current = self.view_current(now);
+                if self.ownership.lease_valid() && view_current {
                     match tokio::time::timeout(self.config.renew_deadline, self.lock.try_acquire_or_renew()).await {
                         Ok(Ok(LeaseLockResult::Acquired(_))) => leading_until = Some(now + self.config.renew_deadline),
                         Ok(Ok(_)) => leading_until = None,
                         Ok(Err(error)) => tracing::debug!(%error, "leader election attempt failed"),
                         Err(_) => tracing::debug!("leader election attempt timed out"),
                     }
+                } else if !view_current && self.leading(leading_until) {
+                    self.step_down_stale().await;
+                    leading_until = None;
                 }
             }
             let leading = self.leading(leading_until);
@@ -195,6 +204,27 @@ impl Leader {
                     return self.leading(leading_until);
                 }
             }
+        }
+    }
+
+    /// Whether the member view is fit to plan from (see [`fit_to_plan`]).
+    fn view_current(&self, now: Instant) -> bool {
+        let own_renewal_seen = self.members.with(|t| t.since_last_change(pod_of(&self.config.incarnation), now));
+        fit_to_plan(self.members.synced(), false, own_renewal_seen, self.config.renew_deadline)
+    }
+
+    /// Gives the leader Lease up while the member view is stale: holding it, we could not
+    /// plan, and nobody else could either (a dead member's buckets would never move).
+    async fn step_down_stale(&self) {
+        tracing::warn!(
+            renew_deadline = ?self.config.renew_deadline,
+            "the member Lease watch has not shown our own renewal within a renew deadline (a stalled or lagging \
+             watch): stepping down as leader until it does"
+        );
+        match tokio::time::timeout(self.config.renew_deadline, self.lock.step_down()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "stepping down failed; the leader Lease expires instead"),
+            Err(_) => tracing::warn!("stepping down timed out; the leader Lease expires instead"),
         }
     }
 
