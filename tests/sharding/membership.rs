@@ -1,7 +1,7 @@
 //! Membership that knows what a replica can do: a replica that cannot watch its slice (its
-//! watches are refused, or its lists never complete), or that shards in another mode than
-//! the fleet, is given no buckets, says why, and every policy keeps converging, judged from
-//! the API server. A leader that cannot see its members (its Lease watch stalls) gives
+//! watches are refused or stall, or its lists never complete), or that shards in another
+//! mode than the fleet, is given no buckets, says why, and every policy keeps converging,
+//! judged from the API server. A leader that cannot see its members (its Lease watch stalls) gives
 //! leadership up.
 
 use std::time::{Duration, Instant};
@@ -13,6 +13,8 @@ use kube::ResourceExt;
 use traffic_policy_operator::coordination::{
     LEADER_LEASE, MEMBER_LEASE_PREFIX, MODE_ANNOTATION, NOT_WORKING_ANNOTATION,
 };
+
+use traffic_policy_operator::runtime::watch_stall;
 
 use crate::SERIAL;
 use crate::common::{eventually, eventually_within};
@@ -190,6 +192,49 @@ async fn a_leader_whose_member_watch_stalls_steps_down_and_a_killed_replicas_sli
         "sharding summary: a leader's member watch frozen: {leader} led {stepped_down:?} after; {victim} killed, \
          taken over in {takeover:.2} s, every change converged in {took:?}; {} writes seen by the server, \
          {} overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+    assert_eq!(verdict.fenced, 0, "no write was fenced");
+    drop(proxy);
+}
+
+/// r-1's policy watches stall: a proxy passes nothing more on them (no event, no bookmark,
+/// no end) while its Lease renewals go through. Past its watch timeout and a margin it says
+/// it cannot work, gives its slice up, and the changes in it converge elsewhere; once its
+/// watches flow again, its probe sees a watch end and it is given buckets again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_watches_stall_gives_its_slice_up_until_they_flow() {
+    let _turn = SERIAL.lock().await;
+    let mut fleet = Fleet::new("stalled", 8).await;
+    fleet.start("r-0").await;
+    fleet.converged("the initial creation").await;
+    let proxy = GatewayTimeoutProxy::start(fleet.env.cp).unwrap();
+    fleet.start_via("r-1", &format!("http://127.0.0.1:{}", proxy.port())).await;
+    let holder = renewing(&fleet, "r-1").await;
+    eventually("r-1 works and is given buckets", || works_and_is_given_buckets(&fleet, "r-1")).await;
+
+    proxy.freeze_watches(Some("/applicationtrafficpolicies"));
+    // Noticed once a watch has been silent for its timeout (two lease durations) and the
+    // margin, then a handoff.
+    let bound = lease_duration() * 3 + watch_stall::MARGIN + Duration::from_secs(5);
+    let took = every_change_converges(&fleet, "a spec change, with r-1's policy watches frozen").await;
+    assert!(took <= bound, "every namespace was reconciled within {bound:?}: {took:?}");
+    let why = eventually("r-1 says on its Lease that its watch stalled", || async {
+        member_lease(&fleet, "r-1").await?.1.get(NOT_WORKING_ANNOTATION).cloned()
+    })
+    .await;
+    assert!(why.contains("ApplicationTrafficPolicy stalled"), "the reason names the watch and the stall: {why}");
+    assert!(!fleet.assignment().await.shares().contains_key(&holder), "r-1 holds no buckets while its watch stalls");
+
+    proxy.freeze_watches(None);
+    eventually("r-1 works again and is given buckets", || works_and_is_given_buckets(&fleet, "r-1")).await;
+    let took_after = every_change_converges(&fleet, "r-1's watches flow again").await;
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: stalled watches ({why}): every policy converged in {took:?} without r-1 (bound \
+         {bound:?}), {took_after:?} with it again; {} writes seen by the server, {} overlapping, {} fenced",
         verdict.writes,
         verdict.overlapping.len(),
         verdict.fenced

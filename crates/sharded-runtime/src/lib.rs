@@ -49,6 +49,7 @@ pub mod retries;
 pub mod stored;
 pub mod watch;
 pub mod watch_health;
+pub mod watch_stall;
 
 pub use controller::{Controller, Listed, Settings};
 pub use gate::WriteGate;

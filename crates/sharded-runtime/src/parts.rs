@@ -16,15 +16,16 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::{AbortHandle, Abortable, BoxStream, SelectAll};
+use futures::{StreamExt, TryStreamExt};
 use kube::Resource;
-use kube::api::{Api, ListParams, ObjectMeta};
+use kube::api::{Api, ListParams, ObjectMeta, WatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
 use super::watch_health::{Probe, WatchHealth};
+use super::watch_stall;
 use crate::metrics;
 
 /// How a watch asks the API server for this replica's slice.
@@ -154,7 +155,8 @@ impl<K> Watchable for K where
 
 /// A watch of `api`, in parts, of the slice `slice` names; `fixed_labels` are always
 /// required in addition. Nothing is watched until the slice is known. Errors are counted,
-/// logged and retried with kube-runtime's default backoff; refusals are told to `health`.
+/// logged and retried with kube-runtime's default backoff; refusals and stalls are told to
+/// `health`, whose timeout each watch asks for.
 pub fn watch<K: Watchable>(
     api: Api<K>,
     fixed_labels: Option<String>,
@@ -162,6 +164,10 @@ pub fn watch<K: Watchable>(
     slicing: Slicing,
     health: Arc<WatchHealth>,
 ) -> BoxStream<'static, SliceEvent<K>> {
+    let timeout = health.watch_timeout();
+    let limited = watch_stall::limited(api.clone().into_client(), timeout + watch_stall::MARGIN);
+    let api = K::Scope::api(limited, api.namespace());
+    let timeout_secs = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX);
     let selecting = move |selector: &SliceSelector| match selector {
         SliceSelector::Labels(labels) => (api.clone(), with_fixed(&fixed_labels, Some(labels))),
         SliceSelector::Shards(shards) => (shard_selecting(&api, shards), with_fixed(&fixed_labels, None)),
@@ -177,15 +183,21 @@ pub fn watch<K: Watchable>(
         let (api, labels) = selecting(&selector);
         // A consistent list (not `any_semantic`): after a handoff, the new owner must not
         // start from an older state than the previous owner last wrote from.
-        let config = labels.iter().fold(watcher::Config::default(), |c, l| c.labels(l));
+        let config = labels.iter().fold(watcher::Config::default().timeout(timeout_secs), |c, l| c.labels(l));
         watcher(api, config).default_backoff().boxed()
     };
+    // A list of one object, then a watch from there that the server ends after a second: a
+    // refused watch is refused here too, and a stalled one fails its limit.
     let probe = move |selector: SliceSelector| -> Probe {
         let (api, labels) = probing(&selector);
         Arc::new(move || -> BoxFuture<'static, Result<(), kube::Error>> {
-            let params = ListParams { label_selector: labels.clone(), limit: Some(1), ..Default::default() };
+            let list = ListParams { label_selector: labels.clone(), limit: Some(1), ..Default::default() };
+            let watch = WatchParams { label_selector: labels.clone(), timeout: Some(1), ..Default::default() };
             let api = api.clone();
-            Box::pin(async move { api.list(&params).await.map(drop) })
+            Box::pin(async move {
+                let version = api.list(&list).await?.metadata.resource_version.unwrap_or_default();
+                api.watch(&watch, &version).await?.try_for_each(|_| std::future::ready(Ok(()))).await
+            })
         })
     };
     sliced(slice, slicing, Box::new(open), Watched { health, probe: Box::new(probe) })

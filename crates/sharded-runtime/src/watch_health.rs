@@ -7,12 +7,18 @@
 //! succeeds: a later watch's, or the refused watch's own probe, a list of one object with the
 //! same selector, which [`WatchHealth::probe`] runs.
 //!
+//! A watch that *stalls* (open and silent past its timeout, see [`super::watch_stall`]) is
+//! broken at once, until its probe, which also watches for a moment, sees a watch end as
+//! the server ends it.
+//!
 //! A watch that fails without being refused is retried; if its lists still do not complete
 //! in time, the controller says so here too ([`WatchHealth::set_unlisted`], from
 //! [`super::list_deadline`]).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kube::runtime::watcher;
@@ -24,13 +30,35 @@ pub const REFUSALS_BEFORE_BROKEN: u32 = 2;
 /// A list of one object with the refused watch's selector.
 pub type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), kube::Error>> + Send + Sync>;
 
-/// Which watches the API server refuses, and whether that makes them broken.
-#[derive(Default)]
+/// The `timeoutSeconds` a watch asks for unless told otherwise: the server ends it then,
+/// and a watch silent for longer has stalled.
+pub const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a probe may take: a list of one object, then a watch that the server ends
+/// after a second.
+const PROBE_DEADLINE: Duration = Duration::from_secs(15);
+
+/// Which watches the API server refuses or stall, and whether that makes them broken.
 pub struct WatchHealth {
-    /// By resource kind: the watches refused since their last successful list.
+    /// By resource kind: the watches refused (or stalled) since their last successful list.
     refused: Mutex<BTreeMap<String, Refused>>,
     /// Why the watches have not listed the slice in time, while that stands.
     unlisted: Mutex<Option<String>>,
+    /// The `timeoutSeconds` each watch asks for.
+    watch_timeout: Duration,
+    /// Whether a probe is under way (see [`WatchHealth::probe_in_background`]).
+    probing: AtomicBool,
+}
+
+impl Default for WatchHealth {
+    fn default() -> Self {
+        Self {
+            refused: Mutex::default(),
+            unlisted: Mutex::default(),
+            watch_timeout: WATCH_TIMEOUT,
+            probing: AtomicBool::new(false),
+        }
+    }
 }
 
 struct Refused {
@@ -40,19 +68,35 @@ struct Refused {
 }
 
 impl WatchHealth {
-    /// No watch refused.
+    /// No watch refused; watches ask for [`WATCH_TIMEOUT`].
     pub fn new() -> Arc<Self> {
         Arc::default()
     }
 
-    /// A watch of `kind` failed: counted if the server refused it, ignored otherwise.
+    /// No watch refused; watches ask the server to end them after `watch_timeout` (a
+    /// stalled watch is noticed that much and [`watch_stall::MARGIN`](super::watch_stall::MARGIN) later).
+    pub fn with_watch_timeout(watch_timeout: Duration) -> Arc<Self> {
+        Arc::new(Self { watch_timeout: watch_timeout.max(Duration::from_secs(1)), ..Self::default() })
+    }
+
+    /// The `timeoutSeconds` each watch asks for.
+    pub fn watch_timeout(&self) -> Duration {
+        self.watch_timeout
+    }
+
+    /// A watch of `kind` failed: counted if the server refused it, broken at once if it
+    /// stalled, ignored otherwise.
     pub fn failed(&self, kind: &str, error: &watcher::Error, probe: Probe) {
-        let Some(reason) = refusal(error) else { return };
+        let (reason, times) = match (refusal(error), stall(error)) {
+            (Some(refusal), _) => (format!("the watch of {kind} is refused: {refusal}"), 1),
+            (None, Some(stall)) => (format!("the watch of {kind} {stall}"), REFUSALS_BEFORE_BROKEN),
+            (None, None) => return,
+        };
         let mut refused = self.lock();
         let entry =
             refused.entry(kind.to_string()).or_insert_with(|| Refused { reason: String::new(), times: 0, probe });
-        entry.times += 1;
-        entry.reason = format!("the watch of {kind} is refused: {reason}");
+        entry.times += times;
+        entry.reason = reason;
     }
 
     /// A watch of `kind` listed: it works.
@@ -73,7 +117,21 @@ impl WatchHealth {
         *self.unlisted.lock().unwrap_or_else(|p| p.into_inner()) = why;
     }
 
-    /// Lists with each refused watch's selector; a kind whose list succeeds works again.
+    /// Runs [`WatchHealth::probe`] on a task of its own, unless one is under way: a probe
+    /// watches for a moment, longer than a renewal may wait.
+    pub fn probe_in_background(self: &Arc<Self>) {
+        if self.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let health = self.clone();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(PROBE_DEADLINE, health.probe()).await;
+            health.probing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Lists (and watches for a moment) with each refused or stalled watch's selector; a kind
+    /// whose probe succeeds works again.
     pub async fn probe(&self) {
         let probes: Vec<(String, Probe)> = self.lock().iter().map(|(k, r)| (k.clone(), r.probe.clone())).collect();
         for (kind, probe) in probes {
@@ -90,6 +148,14 @@ impl WatchHealth {
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Refused>> {
         self.refused.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// What a stalled watch said ([`super::watch_stall::Stalled`]), found in the error's text:
+/// the watcher wraps it in its own errors.
+fn stall(error: &watcher::Error) -> Option<String> {
+    let text = error.to_string();
+    let at = text.find(super::watch_stall::STALLED)?;
+    Some(text[at + "the watch ".len()..].to_string())
 }
 
 /// What the API server said, if it refused the request for good: a client error other than
@@ -152,6 +218,23 @@ mod tests {
         assert!(health.broken().is_some());
         health.listed("ConfigMap");
         assert_eq!(health.broken(), None);
+    }
+
+    #[tokio::test]
+    async fn a_stalled_watch_is_broken_at_once_until_its_probe_succeeds() {
+        let health = WatchHealth::default();
+        // As the watcher reports it: the body's error, read from the events stream.
+        let stalled = super::super::watch_stall::Stalled(std::time::Duration::from_secs(33));
+        let read = kube::Error::ReadEvents(std::io::Error::other(kube::Error::Service(Box::new(stalled))));
+        let works = Arc::new(AtomicBool::new(false));
+        health.failed("NetworkPolicy", &watcher::Error::WatchFailed(read), probe(works.clone()));
+        let reason = health.broken().expect("broken after one stall");
+        assert!(reason.starts_with("the watch of NetworkPolicy stalled: nothing passed for 33s"), "{reason}");
+        health.probe().await;
+        assert!(health.broken().is_some(), "the probe fails too");
+        works.store(true, Ordering::SeqCst);
+        health.probe().await;
+        assert_eq!(health.broken(), None, "the probe's watch ended as the server ends it");
     }
 
     #[test]

@@ -111,11 +111,11 @@ impl MemberLease {
                 said = not_working;
             }
             self.cycle().await;
-            // A refused watch is probed again (a list of one object), after the cycle and within
-            // a retry period, so that it never delays a renewal: a replica that gave its slice
-            // up watches nothing, so nothing else would tell it that the refusal ended.
+            // A refused or stalled watch is probed again (a list of one object and a short
+            // watch), on a task of its own so that it never delays a renewal: a replica that gave
+            // its slice up watches nothing, so nothing else would tell it that the fault ended.
             if self.watch_health.broken().is_some() {
-                let _ = tokio::time::timeout(self.config.retry_period, self.watch_health.probe()).await;
+                self.watch_health.probe_in_background();
             }
             // "Held" means a renewal cycle confirmed our right to write: a replica whose renewals land
             // but whose cycles never complete in time shows 0 here, and the lease alert fires.

@@ -76,7 +76,9 @@ impl Coordination {
         let members = Arc::new(Members::default());
         let view = Arc::new(AssignmentView::default());
         let load = Arc::new(LoadReport::default());
-        let watch_health = WatchHealth::new();
+        // A watch asks the server to end it after two lease durations: one silent longer has
+        // stalled, and the replica gives its slice up (sharded_runtime::watch_stall).
+        let watch_health = WatchHealth::with_watch_timeout(shard.lease_duration * 2);
         let replica = Replica { config: shard.clone(), ownership: ownership.clone(), view };
         let member_lease =
             Arc::new(MemberLease::new(coordination.clone(), &replica, load.clone(), watch_health.clone()));
