@@ -20,7 +20,7 @@ use futures::future::BoxFuture;
 use futures::stream::{AbortHandle, Abortable, BoxStream, SelectAll};
 use futures::{StreamExt, TryStreamExt};
 use kube::Resource;
-use kube::api::{Api, ListParams, ObjectMeta, WatchParams};
+use kube::api::{Api, ListParams, ObjectMeta, WatchEvent, WatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
@@ -196,7 +196,15 @@ pub fn watch<K: Watchable>(
             let api = api.clone();
             Box::pin(async move {
                 let version = api.list(&list).await?.metadata.resource_version.unwrap_or_default();
-                api.watch(&watch, &version).await?.try_for_each(|_| std::future::ready(Ok(()))).await
+                let events = api.watch(&watch, &version).await?;
+                events
+                    .try_for_each(|event| {
+                        std::future::ready(match event {
+                            WatchEvent::Error(status) => Err(kube::Error::Api(status)),
+                            _ => Ok(()),
+                        })
+                    })
+                    .await
             })
         })
     };

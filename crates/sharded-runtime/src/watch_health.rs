@@ -34,6 +34,10 @@ pub type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), kube::Error>> + S
 /// and a watch silent for longer has stalled.
 pub const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// kube refuses to build a watch of 295 s or more (the API server's own limit is near), and
+/// its watcher reconnects 5 s past the timeout.
+pub const MAX_WATCH_TIMEOUT: Duration = Duration::from_secs(290);
+
 /// How long a probe may take: a list of one object, then a watch that the server ends
 /// after a second.
 const PROBE_DEADLINE: Duration = Duration::from_secs(15);
@@ -73,10 +77,12 @@ impl WatchHealth {
         Arc::default()
     }
 
-    /// No watch refused; watches ask the server to end them after `watch_timeout` (a
-    /// stalled watch is noticed that much and [`watch_stall::MARGIN`](super::watch_stall::MARGIN) later).
+    /// No watch refused; watches ask the server to end them after `watch_timeout`, within
+    /// 1 s to [`MAX_WATCH_TIMEOUT`] (a stalled watch is noticed that much and
+    /// [`watch_stall::MARGIN`](super::watch_stall::MARGIN) later).
     pub fn with_watch_timeout(watch_timeout: Duration) -> Arc<Self> {
-        Arc::new(Self { watch_timeout: watch_timeout.max(Duration::from_secs(1)), ..Self::default() })
+        let watch_timeout = watch_timeout.clamp(Duration::from_secs(1), MAX_WATCH_TIMEOUT);
+        Arc::new(Self { watch_timeout, ..Self::default() })
     }
 
     /// The `timeoutSeconds` each watch asks for.
@@ -123,10 +129,16 @@ impl WatchHealth {
         if self.probing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let health = self.clone();
+        // Cleared when the task ends, however it ends.
+        struct Probing(Arc<WatchHealth>);
+        impl Drop for Probing {
+            fn drop(&mut self) {
+                self.0.probing.store(false, Ordering::Release);
+            }
+        }
+        let probing = Probing(self.clone());
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(PROBE_DEADLINE, health.probe()).await;
-            health.probing.store(false, Ordering::Release);
+            let _ = tokio::time::timeout(PROBE_DEADLINE, probing.0.probe()).await;
         });
     }
 
@@ -235,6 +247,14 @@ mod tests {
         works.store(true, Ordering::SeqCst);
         health.probe().await;
         assert_eq!(health.broken(), None, "the probe's watch ended as the server ends it");
+    }
+
+    #[test]
+    fn a_watch_timeout_is_kept_within_what_kube_builds() {
+        let s = Duration::from_secs;
+        assert_eq!(WatchHealth::with_watch_timeout(s(30)).watch_timeout(), s(30));
+        assert_eq!(WatchHealth::with_watch_timeout(s(300)).watch_timeout(), MAX_WATCH_TIMEOUT);
+        assert_eq!(WatchHealth::with_watch_timeout(Duration::ZERO).watch_timeout(), s(1));
     }
 
     #[test]

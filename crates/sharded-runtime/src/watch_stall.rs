@@ -5,10 +5,12 @@
 //! An idle watch is not silent for long: the API server ends every watch at the
 //! `timeoutSeconds` it was asked for, and sends a bookmark two seconds before (the watches
 //! ask for bookmarks). So a watch that has delivered nothing, not even its end, for longer
-//! than its timeout has stalled. kube-runtime's watcher would quietly reconnect 5 s past the
-//! timeout, and a stalled path would stall the new watch too; [`limited`] fails the stream a
-//! little earlier with [`Stalled`], which the watch's owner counts as a fault of its watches
-//! ([`super::watch_health`]).
+//! than its timeout has stalled; so has one the server has not answered within that time.
+//! kube-runtime's watcher would quietly reconnect 5 s past the timeout, and a stalled path
+//! would stall the new watch too (a watch that is never answered, it would wait on for
+//! ever: over HTTP/2 the shared connection stays busy, so no read timeout fires). [`limited`]
+//! fails the watch a little earlier with [`Stalled`], which the watch's owner counts as a
+//! fault of its watches ([`super::watch_health`]).
 
 use std::fmt;
 use std::pin::Pin;
@@ -39,15 +41,22 @@ impl fmt::Display for Stalled {
 
 impl std::error::Error for Stalled {}
 
-/// `client`, whose watches fail with [`Stalled`] once they have delivered nothing for
-/// `limit` (their timeout and [`MARGIN`]). Other requests pass as they are.
+/// `client`, whose watches fail with [`Stalled`] once they have waited `limit` (their
+/// timeout and [`MARGIN`]) for an answer, or delivered nothing for that long. Other requests
+/// pass as they are.
 pub fn limited(client: Client, limit: Duration) -> Client {
     let default_namespace = client.default_namespace().to_string();
     let service = tower::service_fn(move |request: http::Request<kube::client::Body>| {
         let client = client.clone();
         let limit = is_watch(request.uri()).then_some(limit);
         async move {
-            let response = client.send(request).await?;
+            let sent = client.send(request);
+            let response = match limit {
+                Some(limit) => tokio::time::timeout(limit, sent)
+                    .await
+                    .map_err(|_| kube::Error::Service(Box::new(Stalled(limit))))??,
+                None => sent.await?,
+            };
             Ok::<_, kube::Error>(response.map(|body| Limited::new(body, limit)))
         }
     });
@@ -140,6 +149,36 @@ mod tests {
             body.frame().await.expect("a frame").expect("not stalled: 10 s apart, under the limit");
         }
         assert!(body.frame().await.is_none(), "the server's end passes");
+    }
+
+    /// A client whose server never answers.
+    fn unanswered() -> Client {
+        let service = tower::service_fn(|_: http::Request<kube::client::Body>| {
+            futures::future::pending::<Result<http::Response<kube::client::Body>, tower::BoxError>>()
+        });
+        Client::new(service, "default")
+    }
+
+    fn get(uri: &str) -> http::Request<kube::client::Body> {
+        http::Request::get(uri).body(kube::client::Body::empty()).unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_the_server_never_answers_fails_at_its_limit() {
+        let client = limited(unanswered(), Duration::from_secs(13));
+        let started = Instant::now();
+        let error = client.send(get("/api/v1/configmaps?watch=true&timeoutSeconds=10")).await.expect_err("stalled");
+        assert!(error.to_string().contains(STALLED), "{error}");
+        assert_eq!(started.elapsed(), Duration::from_secs(13));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn other_requests_take_as_long_as_they_take() {
+        let client = limited(unanswered(), Duration::from_secs(13));
+        for uri in ["/api/v1/configmaps?limit=500", "/api/v1/configmaps?watch=false", "/api/v1/namespaces/watch"] {
+            let waited = tokio::time::timeout(Duration::from_secs(3600), client.send(get(uri))).await;
+            assert!(waited.is_err(), "{uri}: not a watch, not limited");
+        }
     }
 
     #[tokio::test(start_paused = true)]

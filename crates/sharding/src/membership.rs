@@ -218,6 +218,12 @@ impl MemberTable {
         idle.collect()
     }
 
+    /// Whether another pod holds a member Lease, as last seen (alive or not: a stale view
+    /// cannot tell).
+    pub fn has_others(&self, me: &str) -> bool {
+        self.members.iter().any(|(pod, seen)| pod != pod_of(me) && !seen.deleted && seen.state.holder().is_some())
+    }
+
     /// Whether a member of another pod than `me` holds its Lease and may be alive: when none
     /// does, `me` is the last of its install to leave.
     pub fn others_alive(&self, me: &str, now: Instant) -> bool {
@@ -330,6 +336,20 @@ mod tests {
     }
 
     const MODE: &str = "labels";
+
+    #[test]
+    fn others_are_members_of_other_pods_holding_a_lease_as_last_seen() {
+        let (mut table, t0) = (MemberTable::default(), Instant::now());
+        table.observe("a", lease("a_1", "r1"), t0);
+        assert!(!table.has_others("a_1"), "alone");
+        table.observe("b", lease("b_1", "r1"), t0);
+        assert!(table.has_others("a_1"), "b holds its Lease, however long ago it was seen renewing");
+        table.observe("b", LeaseState { holder: Some(String::new()), ..lease("", "r2") }, t0 + S(1));
+        assert!(!table.has_others("a_1"), "b released its Lease");
+        table.observe("c", lease("c_1", "r1"), t0);
+        table.deleted("c");
+        assert!(!table.has_others("a_1"), "c's Lease is deleted");
+    }
 
     #[test]
     fn incarnations_name_their_pod() {

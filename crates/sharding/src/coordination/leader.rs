@@ -152,7 +152,7 @@ impl Leader {
                         Ok(Err(error)) => tracing::debug!(%error, "leader election attempt failed"),
                         Err(_) => tracing::debug!("leader election attempt timed out"),
                     }
-                } else if !view_current && self.leading(leading_until) {
+                } else if !view_current && self.leading(leading_until) && self.another_may_lead() {
                     self.step_down_stale().await;
                     leading_until = None;
                 }
@@ -211,6 +211,12 @@ impl Leader {
     fn view_current(&self, now: Instant) -> bool {
         let own_renewal_seen = self.members.with(|t| t.since_last_change(pod_of(&self.config.incarnation), now));
         fit_to_plan(self.members.synced(), false, own_renewal_seen, self.config.renew_deadline)
+    }
+
+    /// Whether another member holds a Lease, as last seen: alone, a leader keeps the Lease
+    /// with a stale view (it does not plan, but its other duties go on, such as labelling).
+    fn another_may_lead(&self) -> bool {
+        self.members.with(|t| t.has_others(&self.config.incarnation))
     }
 
     /// Gives the leader Lease up while the member view is stale: holding it, we could not

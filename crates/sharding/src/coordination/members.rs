@@ -15,6 +15,7 @@ use super::{Names, READS_SPLIT_RANGES};
 use crate::counts::Report;
 use crate::membership::{Capability, LeaseState, MemberTable};
 use sharded_runtime::health::Health;
+use sharded_runtime::watch_stall;
 
 /// The member table, kept by a watch of the member Leases.
 pub struct Members {
@@ -31,10 +32,21 @@ impl Default for Members {
 }
 
 impl Members {
-    /// Runs the watch until the stream ends (it retries with backoff, so: never).
-    pub async fn watch(&self, client: Client, namespace: &str, names: &Names, health: &Health) {
+    /// Runs the watch until the stream ends (it retries with backoff, so: never). Each watch
+    /// asks the server to end it after `watch_timeout`, and one silent longer fails and starts
+    /// again (`sharded_runtime::watch_stall`): a stalled watch recovers once its path does.
+    pub async fn watch(
+        &self,
+        client: Client,
+        namespace: &str,
+        names: &Names,
+        health: &Health,
+        watch_timeout: Duration,
+    ) {
+        let client = watch_stall::limited(client, watch_timeout + watch_stall::MARGIN);
         let leases = Api::<Lease>::namespaced(client, namespace);
-        let mut events = watcher(leases, watcher::Config::default()).default_backoff().boxed();
+        let config = watcher::Config::default().timeout(u32::try_from(watch_timeout.as_secs()).unwrap_or(u32::MAX));
+        let mut events = watcher(leases, config).default_backoff().boxed();
         while let Some(event) = events.next().await {
             let now = Instant::now();
             match event {

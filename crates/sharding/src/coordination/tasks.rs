@@ -94,10 +94,10 @@ impl Coordination {
         );
         critical.spawn({
             let (client, namespace, health) = (coordination.clone(), shard.namespace.clone(), health.clone());
-            let names = shard.names;
+            let (names, watch_timeout) = (shard.names, watch_health.watch_timeout());
             let members = members.clone();
             async move {
-                members.watch(client, &namespace, &names, &health).await;
+                members.watch(client, &namespace, &names, &health, watch_timeout).await;
                 "the member lease watch"
             }
         });
