@@ -48,6 +48,19 @@ async fn works_and_is_given_buckets(fleet: &Fleet, pod: &str) -> Option<()> {
     (!annotations.contains_key(NOT_WORKING_ANNOTATION) && given).then_some(())
 }
 
+/// Stops the fleet, prints the scenario's summary with what the server saw, and checks that
+/// no write was fenced.
+async fn finish_with_nothing_fenced(fleet: Fleet, summary: &str) {
+    let verdict = fleet.finish().await;
+    println!(
+        "sharding summary: {summary}; {} writes seen by the server, {} overlapping, {} fenced",
+        verdict.writes,
+        verdict.overlapping.len(),
+        verdict.fenced
+    );
+    assert_eq!(verdict.fenced, 0, "no write was fenced");
+}
+
 /// How long a spec change of every policy takes to converge.
 async fn every_change_converges(fleet: &Fleet, what: &str) -> Duration {
     let started = Instant::now();
@@ -87,15 +100,10 @@ async fn a_replica_whose_watches_are_refused_gives_its_slice_up_until_they_are_a
     fleet.env.limited_cluster_role(role, |_| {}).await;
     eventually("r-1 works again and is given buckets", || works_and_is_given_buckets(&fleet, "r-1")).await;
     let took_after = every_change_converges(&fleet, "r-1 was allowed to watch again").await;
-    let verdict = fleet.finish().await;
-    println!(
-        "sharding summary: refused watches ({why}): every policy converged in {took:?} without r-1, {took_after:?} \
-         with it again; {} writes seen by the server, {} overlapping, {} fenced",
-        verdict.writes,
-        verdict.overlapping.len(),
-        verdict.fenced
+    let summary = format!(
+        "refused watches ({why}): every policy converged in {took:?} without r-1, {took_after:?} with it again"
     );
-    assert_eq!(verdict.fenced, 0, "no write was fenced");
+    finish_with_nothing_fenced(fleet, &summary).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,15 +144,11 @@ async fn a_replica_whose_lists_never_complete_gives_its_slice_up_until_they_do()
     let works = || works_and_is_given_buckets(&fleet, "r-1");
     eventually_within(deadline * 8, "r-1 works again and is given buckets", works).await;
     let took_after = every_change_converges(&fleet, "r-1's lists work again").await;
-    let verdict = fleet.finish().await;
-    println!(
-        "sharding summary: lists that never complete ({why}): every policy converged in {took:?} without r-1, \
-         {took_after:?} with it again; {} writes seen by the server, {} overlapping, {} fenced",
-        verdict.writes,
-        verdict.overlapping.len(),
-        verdict.fenced
+    let summary = format!(
+        "lists that never complete ({why}): every policy converged in {took:?} without r-1, {took_after:?} with \
+         it again"
     );
-    assert_eq!(verdict.fenced, 0, "no write was fenced");
+    finish_with_nothing_fenced(fleet, &summary).await;
     drop(proxy);
 }
 
@@ -184,19 +188,14 @@ async fn a_leader_whose_member_watch_stalls_steps_down_and_a_killed_replicas_sli
     let t_kill = fleet.kill(victim);
     let took = every_change_converges(&fleet, &format!("kill -9 of {victim}, r-0's member watch frozen")).await;
     let takeover = crate::takeover_seconds(&fleet.audit(), victim, t_kill).expect("taken over");
-    let kill_bound = (lease_duration() + Duration::from_secs(3)).as_secs_f64();
+    let kill_bound = crate::kill_takeover_bound();
     assert!(takeover <= kill_bound, "takeover after kill -9 took {takeover:.2} s (bound {kill_bound} s)");
     assert_eq!(leader_pod(&fleet).await.as_deref(), Some(leader.as_str()), "r-0 did not campaign again");
-    let verdict = fleet.finish().await;
-    println!(
-        "sharding summary: a leader's member watch frozen: {leader} led {stepped_down:?} after; {victim} killed, \
-         taken over in {takeover:.2} s, every change converged in {took:?}; {} writes seen by the server, \
-         {} overlapping, {} fenced",
-        verdict.writes,
-        verdict.overlapping.len(),
-        verdict.fenced
+    let summary = format!(
+        "a leader's member watch frozen: {leader} led {stepped_down:?} after; {victim} killed, taken over in \
+         {takeover:.2} s, every change converged in {took:?}"
     );
-    assert_eq!(verdict.fenced, 0, "no write was fenced");
+    finish_with_nothing_fenced(fleet, &summary).await;
     drop(proxy);
 }
 
@@ -231,15 +230,11 @@ async fn a_replica_whose_watches_stall_gives_its_slice_up_until_they_flow() {
     proxy.freeze_watches(None);
     eventually("r-1 works again and is given buckets", || works_and_is_given_buckets(&fleet, "r-1")).await;
     let took_after = every_change_converges(&fleet, "r-1's watches flow again").await;
-    let verdict = fleet.finish().await;
-    println!(
-        "sharding summary: stalled watches ({why}): every policy converged in {took:?} without r-1 (bound \
-         {bound:?}), {took_after:?} with it again; {} writes seen by the server, {} overlapping, {} fenced",
-        verdict.writes,
-        verdict.overlapping.len(),
-        verdict.fenced
+    let summary = format!(
+        "stalled watches ({why}): every policy converged in {took:?} without r-1 (bound {bound:?}), \
+         {took_after:?} with it again"
     );
-    assert_eq!(verdict.fenced, 0, "no write was fenced");
+    finish_with_nothing_fenced(fleet, &summary).await;
     drop(proxy);
 }
 

@@ -165,9 +165,7 @@ pub fn watch<K: Watchable>(
     health: Arc<WatchHealth>,
 ) -> BoxStream<'static, SliceEvent<K>> {
     let timeout = health.watch_timeout();
-    let limited = watch_stall::limited(api.clone().into_client(), timeout + watch_stall::MARGIN);
-    let api = K::Scope::api(limited, api.namespace());
-    let timeout_secs = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX);
+    let api = K::Scope::api(watch_stall::limited(api.clone().into_client(), timeout), api.namespace());
     let selecting = move |selector: &SliceSelector| match selector {
         SliceSelector::Labels(labels) => (api.clone(), with_fixed(&fixed_labels, Some(labels))),
         SliceSelector::Shards(shards) => (shard_selecting(&api, shards), with_fixed(&fixed_labels, None)),
@@ -183,7 +181,7 @@ pub fn watch<K: Watchable>(
         let (api, labels) = selecting(&selector);
         // A consistent list (not `any_semantic`): after a handoff, the new owner must not
         // start from an older state than the previous owner last wrote from.
-        let config = labels.iter().fold(watcher::Config::default().timeout(timeout_secs), |c, l| c.labels(l));
+        let config = labels.iter().fold(watch_stall::watcher_config(timeout), |c, l| c.labels(l));
         watcher(api, config).default_backoff().boxed()
     };
     // A list of one object, then a watch from there that the server ends after a second: a

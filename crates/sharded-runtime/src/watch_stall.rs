@@ -20,6 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame};
 use kube::Client;
+use kube::runtime::watcher;
 use tokio::time::{Instant, Sleep};
 
 /// How much longer than its timeout a watch may deliver nothing before it counts as stalled:
@@ -41,10 +42,11 @@ impl fmt::Display for Stalled {
 
 impl std::error::Error for Stalled {}
 
-/// `client`, whose watches fail with [`Stalled`] once they have waited `limit` (their
-/// timeout and [`MARGIN`]) for an answer, or delivered nothing for that long. Other requests
-/// pass as they are.
-pub fn limited(client: Client, limit: Duration) -> Client {
+/// `client`, whose watches fail with [`Stalled`] once they have waited `watch_timeout` and
+/// [`MARGIN`] for an answer, or delivered nothing for that long. Other requests pass as they
+/// are. Its watches are to ask for `watch_timeout` ([`watcher_config`]).
+pub fn limited(client: Client, watch_timeout: Duration) -> Client {
+    let limit = watch_timeout + MARGIN;
     let default_namespace = client.default_namespace().to_string();
     let service = tower::service_fn(move |request: http::Request<kube::client::Body>| {
         let client = client.clone();
@@ -61,6 +63,11 @@ pub fn limited(client: Client, limit: Duration) -> Client {
         }
     });
     Client::new(service, default_namespace)
+}
+
+/// A watcher's configuration that asks the server to end each watch after `watch_timeout`.
+pub fn watcher_config(watch_timeout: Duration) -> watcher::Config {
+    watcher::Config::default().timeout(u32::try_from(watch_timeout.as_secs()).unwrap_or(u32::MAX))
 }
 
 fn is_watch(uri: &http::Uri) -> bool {
@@ -165,7 +172,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_watch_the_server_never_answers_fails_at_its_limit() {
-        let client = limited(unanswered(), Duration::from_secs(13));
+        let client = limited(unanswered(), Duration::from_secs(10));
         let started = Instant::now();
         let error = client.send(get("/api/v1/configmaps?watch=true&timeoutSeconds=10")).await.expect_err("stalled");
         assert!(error.to_string().contains(STALLED), "{error}");
@@ -174,7 +181,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn other_requests_take_as_long_as_they_take() {
-        let client = limited(unanswered(), Duration::from_secs(13));
+        let client = limited(unanswered(), Duration::from_secs(10));
         for uri in ["/api/v1/configmaps?limit=500", "/api/v1/configmaps?watch=false", "/api/v1/namespaces/watch"] {
             let waited = tokio::time::timeout(Duration::from_secs(3600), client.send(get(uri))).await;
             assert!(waited.is_err(), "{uri}: not a watch, not limited");

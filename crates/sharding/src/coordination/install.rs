@@ -10,8 +10,8 @@
 //! - A replica starts its part only once the record holds its install and no other live one
 //!   that overlaps it. An overlapping install is gone once its leader Lease has stayed missing
 //!   (deleted with its namespace) or unchanged here for a lease duration (released or
-//!   unrenewed); its entry is then removed. A missing record (a new CRD, `kubectl replace -f crds/`) is
-//!   written anew.
+//!   unrenewed); its entry is then removed. A missing record (a new CRD, `kubectl replace -f
+//!   crds/`) is written anew.
 //! - While a live one holds it, the replica waits: not ready, the reason in the log and
 //!   `<prefix>_install_blocked` at 1; it asks again every [`WAIT_POLL`].
 //! - While it runs, it reads the record every [`RECHECK`]: a lost entry is written back; if two

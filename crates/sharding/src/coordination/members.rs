@@ -43,9 +43,8 @@ impl Members {
         health: &Health,
         watch_timeout: Duration,
     ) {
-        let client = watch_stall::limited(client, watch_timeout + watch_stall::MARGIN);
-        let leases = Api::<Lease>::namespaced(client, namespace);
-        let config = watcher::Config::default().timeout(u32::try_from(watch_timeout.as_secs()).unwrap_or(u32::MAX));
+        let leases = Api::<Lease>::namespaced(watch_stall::limited(client, watch_timeout), namespace);
+        let config = watch_stall::watcher_config(watch_timeout);
         let mut events = watcher(leases, config).default_backoff().boxed();
         while let Some(event) = events.next().await {
             let now = Instant::now();
